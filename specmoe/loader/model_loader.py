@@ -1,0 +1,115 @@
+"""Loading a model (HuggingFace directory or GGUF file) onto a device in a dtype."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specmoe.config import ArchConfig, ModelConfig
+from specmoe.loader.aliases import resolve_model_path
+from specmoe.loader.hf_dir import iter_safetensors, read_hf_config
+from specmoe.loader.weights import load_weights
+from specmoe.models.decoder import DecoderModel
+from specmoe.models.registry import family_for
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, with what is needed to build its tokenizer.
+
+    Attributes:
+        model: the module, in eval mode, on `device`.
+        arch: its architecture.
+        path: where it was loaded from.
+        max_model_len: context limit in tokens.
+    """
+
+    model: DecoderModel
+    arch: ArchConfig
+    path: Path
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+
+    def load_tokenizer(self):
+        """The model's tokenizer (transformers), from tokenizer files or GGUF metadata.
+
+        Raises:
+            ValueError: when the model directory has no tokenizer files.
+        """
+        from transformers import AutoTokenizer
+        if self.path.is_file():
+            from specmoe.loader.gguf_file import load_gguf_tokenizer
+            return load_gguf_tokenizer(self.path)
+        try:
+            return AutoTokenizer.from_pretrained(str(self.path))
+        except (OSError, ValueError, TypeError) as exc:
+            raise ValueError(f"no usable tokenizer in {self.path}: {exc}") from exc
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_model(config: ModelConfig) -> LoadedModel:
+    """Build and load the model `config.model` names.
+
+    Raises:
+        FileNotFoundError: bad path or alias.
+        ValueError: unsupported architecture, missing/extra weights, bad max_model_len.
+    """
+    path = resolve_model_path(config.model)
+    hf_config, tensors = _open_checkpoint(path, DTYPES[config.dtype])
+    family = family_for(hf_config)
+    arch = family.parse_config(hf_config)
+    max_len = _max_model_len(config, arch)
+    device, dtype = resolve_device(config.device), DTYPES[config.dtype]
+    with _default_dtype(dtype), device:
+        model = DecoderModel(arch, max_len)
+    load_weights(model, _to_device(tensors, device), family.WEIGHT_RULES,
+                 arch.tie_word_embeddings)
+    model.eval().requires_grad_(False)
+    return LoadedModel(model, arch, path, device, dtype, max_len)
+
+
+def _open_checkpoint(path: Path, dtype: torch.dtype):
+    if path.is_dir():
+        return read_hf_config(path), iter_safetensors(path, dtype)
+    if path.suffix != ".gguf":
+        raise ValueError(f"{path} is neither a HuggingFace model directory nor a .gguf file")
+    from specmoe.loader.gguf_file import GGUFCheckpoint
+    ckpt = GGUFCheckpoint(path)
+    return ckpt.hf_config, ckpt.iter_tensors(dtype)
+
+
+def _max_model_len(config: ModelConfig, arch: ArchConfig) -> int:
+    limit = arch.max_position_embeddings
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
+                         f"max_position_embeddings={limit}")
+    return config.max_model_len
+
+
+def _to_device(tensors: Iterator[tuple[str, torch.Tensor]], device: torch.device):
+    for name, t in tensors:
+        yield name, t.to(device)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)

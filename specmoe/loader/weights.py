@@ -1,0 +1,85 @@
+"""Applying a family's declarative mapping table to checkpoint tensors.
+
+Every parameter element must be written exactly once: a checkpoint tensor no rule maps, a
+parameter slice no tensor fills, or a shape mismatch raises ValueError naming it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from specmoe.models.weight_rules import IGNORED, WeightRule
+
+_MAX_LISTED = 8
+
+
+def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
+                 rules: list[WeightRule], tied_embeddings: bool) -> None:
+    """Copy checkpoint `tensors` (HuggingFace names) into `model`'s parameters.
+
+    Raises:
+        ValueError: unexpected checkpoint tensors, missing parameters, or shape mismatches.
+    """
+    params = dict(model.named_parameters())
+    expected = set(_expected_slots(params))
+    loaded: set[tuple] = set()
+    unexpected: list[str] = []
+    for name, tensor in tensors:
+        if any(p.match(name) for p in IGNORED):
+            continue
+        if tied_embeddings and name == "lm_head.weight":
+            continue  # tied to embed_tokens; some checkpoints still store a copy
+        slot = _match(name, rules)
+        if slot is None or slot[0] not in params:
+            unexpected.append(name)
+            continue
+        _copy(params[slot[0]], slot, tensor, name)
+        loaded.add(slot)
+    _raise_if(unexpected, "unexpected checkpoint tensors (no parameter takes them)")
+    _raise_if(sorted(_fmt(s) for s in expected - loaded), "missing weights")
+
+
+def _match(name: str, rules: list[WeightRule]) -> tuple | None:
+    for r in rules:
+        m = r.pattern.match(name)
+        if m:
+            groups = m.groupdict()
+            expert = int(groups["e"]) if groups.get("e") is not None else None
+            return (r.target.format(**groups), expert, r.shard)
+    return None
+
+
+def _expected_slots(params: dict[str, nn.Parameter]) -> Iterator[tuple]:
+    for name, p in params.items():
+        experts = range(p.num_experts) if hasattr(p, "num_experts") else [None]
+        shards = range(len(p.shard_sizes)) if hasattr(p, "shard_sizes") else [None]
+        for e in experts:
+            for s in shards:
+                yield (name, e, s)
+
+
+def _copy(param: nn.Parameter, slot: tuple, tensor: torch.Tensor, ckpt_name: str) -> None:
+    _, expert, shard = slot
+    view = param.data if expert is None else param.data[expert]
+    if shard is not None:
+        offset = sum(param.shard_sizes[:shard])
+        view = view.narrow(0, offset, param.shard_sizes[shard])
+    if tuple(view.shape) != tuple(tensor.shape):
+        raise ValueError(f"checkpoint tensor {ckpt_name} has shape {tuple(tensor.shape)}, "
+                         f"expected {tuple(view.shape)} for {_fmt(slot)}")
+    view.copy_(tensor)
+
+
+def _fmt(slot: tuple) -> str:
+    name, expert, shard = slot
+    return name + (f"[expert {expert}]" if expert is not None else "") + (
+        f"[shard {shard}]" if shard is not None else "")
+
+
+def _raise_if(items: list[str], what: str) -> None:
+    if items:
+        more = f" (+{len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else ""
+        raise ValueError(f"{what}: {', '.join(items[:_MAX_LISTED])}{more}")

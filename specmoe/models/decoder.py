@@ -1,0 +1,71 @@
+"""The decoder-only transformer shared by every supported family: pre-norm blocks of
+attention and a dense SwiGLU MLP or a sparse MoE block. Families differ only in how their
+config is parsed and how checkpoint names map onto these parameters."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specmoe.config import ArchConfig
+from specmoe.layers.attention import Attention, AttentionMetadata
+from specmoe.layers.embed_head import LMHead, VocabEmbedding
+from specmoe.layers.mlp import GatedMLP
+from specmoe.layers.moe.block import SparseMoEBlock
+from specmoe.layers.norm import RMSNorm
+from specmoe.layers.rotary import RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    """x + attn(norm(x)), then h + mlp(norm(h))."""
+
+    def __init__(self, config: ArchConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config, rotary)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.moe is not None and layer_idx in config.moe.moe_layers:
+            self.mlp = SparseMoEBlock(config.hidden_size, config.moe, layer_idx)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+                ) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), positions, kv_cache, meta)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class DecoderModel(nn.Module):
+    """A causal language model.
+
+    Args:
+        config: the architecture.
+        max_position: longest sequence the RoPE tables cover, in tokens.
+    """
+
+    def __init__(self, config: ArchConfig, max_position: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        rotary = RotaryEmbedding(config.head_dim, max_position, config.rope_theta,
+                                 config.rope_scaling)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        tied = self.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata
+                ) -> torch.Tensor:
+        """input_ids [T] int64; positions [T] int64; one (k, v) cache per layer.
+        Returns final hidden states [T, hidden_size]."""
+        x = self.embed_tokens(input_ids)  # [T, hidden_size]
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, positions, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, hidden_size] -> logits [T, vocab_size] float32."""
+        return self.lm_head(hidden)

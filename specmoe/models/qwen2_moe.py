@@ -1,0 +1,27 @@
+"""Qwen1.5/Qwen2-MoE: Qwen2 attention (QKV bias), fine-grained routed experts plus a shared
+expert scaled by a sigmoid gate; `norm_topk_prob` off by default."""
+
+from __future__ import annotations
+
+from specmoe.config import ArchConfig, MoEConfig
+from specmoe.models.common import common_fields, required, sparse_layers
+from specmoe.models.weight_rules import COMMON_RULES, QWEN_MOE_RULES
+
+ARCHITECTURES = ("Qwen2MoeForCausalLM",)
+WEIGHT_RULES = COMMON_RULES + QWEN_MOE_RULES
+
+
+def parse_config(hf: dict) -> ArchConfig:
+    """ArchConfig from a Qwen2-MoE config.json dict."""
+    fields = common_fields(hf)
+    fields["attention_bias"] = True
+    shared = hf.get("shared_expert_intermediate_size") or 0
+    fields["moe"] = MoEConfig(
+        num_experts=required(hf, "num_experts", "num_local_experts"),
+        top_k=required(hf, "num_experts_per_tok"),
+        moe_intermediate_size=required(hf, "moe_intermediate_size"),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=shared,
+        has_shared_expert_gate=shared > 0,
+        moe_layers=sparse_layers(hf, fields["num_hidden_layers"]))
+    return ArchConfig(**fields)

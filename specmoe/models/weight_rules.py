@@ -1,0 +1,71 @@
+"""Declarative mapping tables from HuggingFace checkpoint names to `DecoderModel` parameters.
+
+A rule is (regex over the checkpoint name, target parameter template, shard, expert group):
+the template uses the regex's groups; `shard` is the index of a fused parameter's row shard
+(q/k/v of `qkv_proj`, gate/up of `gate_up_proj` and of the experts' `w13`); an expert rule
+takes the expert index from a named group `e`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import re
+
+
+@dataclass(frozen=True)
+class WeightRule:
+    pattern: re.Pattern
+    target: str
+    shard: int | None = None
+
+
+def rule(pattern: str, target: str, shard: int | None = None) -> WeightRule:
+    return WeightRule(re.compile(pattern + r"$"), target, shard)
+
+
+_L = r"model\.layers\.(?P<l>\d+)\."
+
+COMMON_RULES = [
+    rule(r"model\.embed_tokens\.weight", "embed_tokens.weight"),
+    rule(r"model\.norm\.weight", "norm.weight"),
+    rule(r"lm_head\.weight", "lm_head.weight"),
+    rule(_L + r"input_layernorm\.weight", "layers.{l}.input_norm.weight"),
+    rule(_L + r"post_attention_layernorm\.weight", "layers.{l}.post_attn_norm.weight"),
+    rule(_L + r"self_attn\.q_proj\.(?P<p>weight|bias)", "layers.{l}.attn.qkv_proj.{p}", 0),
+    rule(_L + r"self_attn\.k_proj\.(?P<p>weight|bias)", "layers.{l}.attn.qkv_proj.{p}", 1),
+    rule(_L + r"self_attn\.v_proj\.(?P<p>weight|bias)", "layers.{l}.attn.qkv_proj.{p}", 2),
+    rule(_L + r"self_attn\.o_proj\.weight", "layers.{l}.attn.o_proj.weight"),
+    rule(_L + r"self_attn\.q_norm\.weight", "layers.{l}.attn.q_norm.weight"),
+    rule(_L + r"self_attn\.k_norm\.weight", "layers.{l}.attn.k_norm.weight"),
+    rule(_L + r"mlp\.gate_proj\.weight", "layers.{l}.mlp.gate_up_proj.weight", 0),
+    rule(_L + r"mlp\.up_proj\.weight", "layers.{l}.mlp.gate_up_proj.weight", 1),
+    rule(_L + r"mlp\.down_proj\.weight", "layers.{l}.mlp.down_proj.weight"),
+]
+
+# Qwen2-MoE, Qwen3-MoE and OLMoE name their MoE blocks alike.
+QWEN_MOE_RULES = [
+    rule(_L + r"mlp\.gate\.weight", "layers.{l}.mlp.router.gate.weight"),
+    rule(_L + r"mlp\.experts\.(?P<e>\d+)\.gate_proj\.weight", "layers.{l}.mlp.experts.w13", 0),
+    rule(_L + r"mlp\.experts\.(?P<e>\d+)\.up_proj\.weight", "layers.{l}.mlp.experts.w13", 1),
+    rule(_L + r"mlp\.experts\.(?P<e>\d+)\.down_proj\.weight", "layers.{l}.mlp.experts.w2"),
+    rule(_L + r"mlp\.shared_expert\.gate_proj\.weight",
+         "layers.{l}.mlp.shared_expert.gate_up_proj.weight", 0),
+    rule(_L + r"mlp\.shared_expert\.up_proj\.weight",
+         "layers.{l}.mlp.shared_expert.gate_up_proj.weight", 1),
+    rule(_L + r"mlp\.shared_expert\.down_proj\.weight",
+         "layers.{l}.mlp.shared_expert.down_proj.weight"),
+    rule(_L + r"mlp\.shared_expert_gate\.weight", "layers.{l}.mlp.shared_expert_gate.weight"),
+]
+
+MIXTRAL_RULES = [
+    rule(_L + r"block_sparse_moe\.gate\.weight", "layers.{l}.mlp.router.gate.weight"),
+    rule(_L + r"block_sparse_moe\.experts\.(?P<e>\d+)\.w1\.weight",
+         "layers.{l}.mlp.experts.w13", 0),
+    rule(_L + r"block_sparse_moe\.experts\.(?P<e>\d+)\.w3\.weight",
+         "layers.{l}.mlp.experts.w13", 1),
+    rule(_L + r"block_sparse_moe\.experts\.(?P<e>\d+)\.w2\.weight",
+         "layers.{l}.mlp.experts.w2"),
+]
+
+# Checkpoint entries that carry no weights we need (derived buffers).
+IGNORED = [re.compile(r".*rotary_emb\.inv_freq$")]
