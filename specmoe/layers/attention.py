@@ -20,6 +20,9 @@ from specmoe.layers.linear import Linear
 from specmoe.layers.norm import RMSNorm
 from specmoe.layers.rotary import RotaryEmbedding
 
+# Above this many query tokens a forward is prefill-like and uses fused SDPA.
+_MAX_SMALL_QUERY = 16
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -28,13 +31,15 @@ class AttentionMetadata:
     Attributes:
         start_pos: position of the first token (= tokens already in the KV cache).
         num_tokens: tokens in this forward.
-        mask: [num_tokens, start_pos + num_tokens] bool (True = attend), or None when a plain
-            causal mask (prefill from 0) or no mask (one token) is enough.
+        mask: [num_tokens, start_pos + num_tokens] bool (True = attend), or None when every
+            cached position is visible (one token, no sliding window).
+        is_plain_causal: the mask is the plain lower-triangular one (a prefill from 0).
     """
 
     start_pos: int
     num_tokens: int
     mask: torch.Tensor | None = None
+    is_plain_causal: bool = True
 
     @classmethod
     def build(cls, start_pos: int, num_tokens: int, device: torch.device,
@@ -42,17 +47,15 @@ class AttentionMetadata:
         """Metadata for tokens [start_pos, start_pos + num_tokens), with the causal (and
         sliding-window) mask built once per forward and shared by all layers."""
         total = start_pos + num_tokens
-        needs_mask = num_tokens > 1 and start_pos > 0
-        if sliding_window is not None and total > sliding_window:
-            needs_mask = True
         mask = None
-        if needs_mask:
+        if num_tokens > 1 or (sliding_window is not None and total > sliding_window):
             q_pos = torch.arange(start_pos, total, device=device).unsqueeze(1)
             k_pos = torch.arange(total, device=device).unsqueeze(0)
             mask = k_pos <= q_pos  # [num_tokens, total]
             if sliding_window is not None:
                 mask &= k_pos > q_pos - sliding_window
-        return cls(start_pos, num_tokens, mask)
+        is_plain_causal = start_pos == 0 and (sliding_window is None or total <= sliding_window)
+        return cls(start_pos, num_tokens, mask, is_plain_causal)
 
 
 class Attention(nn.Module):
@@ -93,15 +96,37 @@ class Attention(nn.Module):
         end = meta.start_pos + meta.num_tokens
         k_cache[:, meta.start_pos:end] = k.transpose(0, 1)
         v_cache[:, meta.start_pos:end] = v.transpose(0, 1)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),                # [1, heads, T, hd]
-            k_cache[:, :end].unsqueeze(0),                 # [1, kv_heads, end, hd]
-            v_cache[:, :end].unsqueeze(0),
-            attn_mask=meta.mask,
-            is_causal=meta.mask is None and meta.num_tokens > 1,
-            scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
-        out = out.squeeze(0).transpose(0, 1).reshape(meta.num_tokens, self.q_size)
+        if meta.num_tokens > _MAX_SMALL_QUERY:
+            out = self._attend_sdpa(q, k_cache[:, :end], v_cache[:, :end], meta)
+        else:
+            out = self._attend_small(q, k_cache[:, :end], v_cache[:, :end], meta)
         return self.o_proj(out)
+
+    def _attend_sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     meta: AttentionMetadata) -> torch.Tensor:
+        """Prefill-sized queries: q [T, heads, hd]; k, v [kv_heads, L, hd] -> [T, q_size]."""
+        causal = meta.is_plain_causal
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),  # [1, h, T|L, hd]
+            attn_mask=None if causal else meta.mask, is_causal=causal, scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads)
+        return out.squeeze(0).transpose(0, 1).reshape(meta.num_tokens, self.q_size)
+
+    def _attend_small(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      meta: AttentionMetadata) -> torch.Tensor:
+        """Decode and verification (few query tokens): explicit GQA attention, cheaper on
+        CPU than SDPA for one query row. q [T, heads, hd]; k, v [kv_heads, L, hd]."""
+        t, group = meta.num_tokens, self.num_heads // self.num_kv_heads
+        # Query head h = kv_head * group + g; rows of qh are ordered (g, t).
+        qh = q.reshape(t, self.num_kv_heads, group, self.head_dim).permute(1, 2, 0, 3)
+        qh = qh.reshape(self.num_kv_heads, group * t, self.head_dim)
+        scores = torch.bmm(qh, k.transpose(1, 2)).float() * self.scale  # [kv, g*T, L]
+        if meta.mask is not None:
+            scores.masked_fill_(~meta.mask.repeat(group, 1), float("-inf"))
+        probs = scores.softmax(dim=-1).to(v.dtype)
+        out = torch.bmm(probs, v)  # [kv_heads, group * T, hd]
+        out = out.reshape(self.num_kv_heads, group, t, self.head_dim).permute(2, 0, 1, 3)
+        return out.reshape(t, self.q_size)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]

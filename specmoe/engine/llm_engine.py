@@ -1,0 +1,155 @@
+"""The offline Python API, in the style of vLLM: `LLM(...).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable, Sequence
+
+import torch
+
+from specmoe.config import EngineConfig, ModelConfig, SpeculativeConfig
+from specmoe.engine.generation import SequenceGenerator
+from specmoe.engine.output_processor import OutputProcessor
+from specmoe.loader.model_loader import load_model
+from specmoe.outputs import RequestOutput
+from specmoe.request import Request
+from specmoe.sampling_params import SamplingParams
+from specmoe.spec_decode.factory import build_proposer
+from specmoe.worker.model_runner import ModelRunner
+
+PromptType = str | list[int]
+
+
+class LLM:
+    """A target model, an optional proposer, and a tokenizer.
+
+    Args:
+        model: HuggingFace model directory, .gguf file, or alias (e.g. "smollm2-135m").
+        speculative: None (no speculation), a SpeculativeConfig, or a dict of its fields,
+            e.g. {"method": "ngram", "num_speculative_tokens": 4} or
+            {"method": "draft", "draft_model": "path", "num_speculative_tokens": 4}.
+        dtype: "float32" or "bfloat16".
+        device: "cpu", "cuda", ... (None: CUDA when available).
+        max_model_len: context limit in tokens (None: the model's).
+        seed: seeds the per-request generators of requests without their own seed.
+
+    Raises:
+        FileNotFoundError, ValueError: bad path, unsupported model, bad option, a draft
+            model whose vocabulary differs from the target's.
+    """
+
+    def __init__(self, model: str, speculative: SpeculativeConfig | dict | None = None,
+                 dtype: str = "float32", device: str | None = None,
+                 max_model_len: int | None = None, seed: int = 0) -> None:
+        if isinstance(speculative, dict):
+            speculative = SpeculativeConfig(**speculative)
+        self.config = EngineConfig(ModelConfig(model, dtype, device, max_model_len),
+                                   speculative, seed)
+        loaded = load_model(self.config.model)
+        self.target = ModelRunner(loaded)
+        self.tokenizer = _try_tokenizer(loaded)
+        self.proposer = None if speculative is None else build_proposer(
+            speculative, self.target, self.tokenizer, self.config.model)
+        eos = set(loaded.arch.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.processor = OutputProcessor(self.tokenizer, eos, loaded.max_model_len)
+        k = speculative.num_speculative_tokens if speculative else 0
+        self.generator = SequenceGenerator(self.target, self.proposer, self.processor, k)
+        self._rng = random.Random(seed)
+        self._ids = itertools.count()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.target.max_model_len
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 on_finish: Callable[[RequestOutput], None] | None = None
+                 ) -> list[RequestOutput]:
+        """Generate a completion for each prompt (text, or a list of token ids).
+
+        Args:
+            sampling_params: one for all prompts, or one per prompt (default:
+                SamplingParams()).
+            on_finish: called with each output as it finishes (e.g. to drive a progress bar).
+        Raises:
+            ValueError: an empty prompt, a prompt that leaves no room in the context, stop
+                strings without a tokenizer, or a params list of the wrong length.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params_list = self._params_list(sampling_params, len(prompt_list))
+        requests = [self._make_request(p, sp) for p, sp in zip(prompt_list, params_list)]
+        outputs = []
+        for req in requests:
+            self.generator.run(req, self._generator_for(req.params))
+            outputs.append(_to_output(req))
+            if on_finish is not None:
+                on_finish(outputs[-1])
+        return outputs
+
+    def chat_prompt(self, messages: list[dict]) -> str:
+        """Apply the tokenizer's chat template (with the assistant turn opened).
+
+        Raises:
+            ValueError: when the model has no tokenizer or chat template.
+        """
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"model {self.config.model.model} has no chat template")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=True)
+
+    def _params_list(self, sp, n: int) -> list[SamplingParams]:
+        if sp is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        if len(sp) != n:
+            raise ValueError(f"got {len(sp)} sampling_params for {n} prompts")
+        return list(sp)
+
+    def _make_request(self, prompt: PromptType, params: SamplingParams) -> Request:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as token ids")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            ids, prompt = list(prompt), None
+        if not ids:
+            raise ValueError("invalid prompt: it is empty (0 tokens)")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"invalid prompt: {len(ids)} tokens leave no room to generate "
+                             f"within max_model_len={self.max_model_len}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none")
+        return Request(str(next(self._ids)), prompt, ids, params)
+
+    def _generator_for(self, params: SamplingParams) -> torch.Generator:
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        return torch.Generator(self.target.device).manual_seed(seed)
+
+
+def _as_prompt_list(prompts) -> list[PromptType]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]
+    return prompts
+
+
+def _try_tokenizer(loaded):
+    try:
+        return loaded.load_tokenizer()
+    except ValueError:
+        return None
+
+
+def _to_output(req: Request) -> RequestOutput:
+    return RequestOutput(
+        request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+        text=req.text, token_ids=list(req.output_token_ids),
+        logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
+        finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+        spec_stats=req.spec_stats, metrics=req.metrics)

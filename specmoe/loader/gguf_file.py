@@ -1,0 +1,471 @@
+"""Read a llama.cpp GGUF file as a HuggingFace-style checkpoint.
+
+A `GGUFCheckpoint` gives what the HuggingFace-style loader consumes from a model directory:
+
+- `hf_config`: a `config.json`-style dict built from the GGUF metadata;
+- `iter_tensors(dtype)`: every tensor under its HuggingFace checkpoint name (the names that
+  `save_pretrained` writes, with one tensor per expert), dequantised and in PyTorch layout.
+
+Dequantisation is done by the `gguf` package (`gguf.quants.dequantize`), never by hand.
+
+Layout conventions (from the GGUF spec and `gguf.GGUFReader`):
+- GGUF lists dimensions fastest-varying first (ggml `ne[0]` is the row length), the reverse of
+  numpy/PyTorch. A HF linear weight `[out, in]` is stored with GGUF shape `[in, out]`; the
+  reader's `data` (and `dequantize`'s result) is already in numpy order `[out, in]`.
+- Stacked experts (`ffn_*_exps`) have GGUF shape `[in, out, num_experts]`, numpy
+  `[num_experts, out, in]`; they are split into `num_experts` HF tensors `[out, in]`.
+- llama.cpp permutes the rows of `q_proj`/`k_proj` for arch `llama` (GPT-J style interleaved
+  rotary pairs instead of HF's rotate-half halves); `iter_tensors` undoes it. Source:
+  llama.cpp `convert_hf_to_gguf.py`, `LlamaModel.permute`. The `qwen2`, `qwen2moe`,
+  `qwen3moe` and `olmoe` converters do not permute (their llama.cpp rope type is NEOX).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+# Values of `general.architecture` this module reads. Mixtral-style MoE GGUFs use `llama`
+# with `llama.expert_count` > 0.
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen2moe", "qwen3moe", "olmoe")
+
+_GGUF_MAGIC = b"GGUF"
+
+# Tensors llama.cpp writes that are not HuggingFace checkpoint weights; they are skipped.
+# - `rope_freqs`: per-dimension rotary frequency divisors [head_dim // 2] that the converter
+#   computes from `rope_scaling` (Llama 3.x "llama3" rope type); HF recomputes them from the
+#   config. It is exposed as `GGUFCheckpoint.rope_freq_factors` since the GGUF metadata does
+#   not keep the llama3 rope_scaling parameters.
+# - `blk.{i}.attn_rot_embd`: the rotary `inv_freq` buffer of old converters, recomputed by HF.
+_SKIPPED_GLOBAL = frozenset({"rope_freqs.weight"})
+_SKIPPED_BLOCK = frozenset({"attn_rot_embd"})
+
+_GLOBAL_NAMES: dict[str, str] = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+# GGUF block tensor base name -> HF name under `model.layers.{i}.` (without .weight/.bias).
+_ATTENTION = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_QK_NORM = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_DENSE_MLP = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_ROUTER = {"ffn_gate_inp": "mlp.gate"}
+_SHARED_EXPERT = {
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+# Stacked experts [num_experts, out, in] -> HF per-expert name template.
+_EXPERTS = {
+    "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{e}.up_proj",
+    "ffn_down_exps": "mlp.experts.{e}.down_proj",
+}
+_MIXTRAL_ROUTER = {"ffn_gate_inp": "block_sparse_moe.gate"}
+_MIXTRAL_EXPERTS = {
+    "ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
+    "ffn_up_exps": "block_sparse_moe.experts.{e}.w3",
+    "ffn_down_exps": "block_sparse_moe.experts.{e}.w2",
+}
+# Old llama.cpp Mixtral files store one tensor per expert: `blk.{i}.ffn_gate.{e}.weight`.
+_LEGACY_EXPERT_BASES = {"ffn_gate": "ffn_gate_exps", "ffn_up": "ffn_up_exps", "ffn_down": "ffn_down_exps"}
+
+_BLOCK_TENSOR = re.compile(r"blk\.(?P<layer>\d+)\.(?P<base>\w+?)(?:\.(?P<expert>\d+))?\.(?P<kind>weight|bias)")
+
+
+@dataclass(frozen=True, slots=True)
+class _Family:
+    """How one model family maps from GGUF to HuggingFace."""
+
+    hf_architecture: str
+    model_type: str
+    block_names: dict[str, str]
+    expert_names: dict[str, str]
+    is_rope_permuted: bool  # llama.cpp permuted q/k rows (LlamaModel.permute)
+
+
+_FAMILIES: dict[str, _Family] = {
+    "llama": _Family("LlamaForCausalLM", "llama", _ATTENTION | _DENSE_MLP, {}, True),
+    "mixtral": _Family("MixtralForCausalLM", "mixtral", _ATTENTION | _MIXTRAL_ROUTER, _MIXTRAL_EXPERTS, True),
+    "qwen2": _Family("Qwen2ForCausalLM", "qwen2", _ATTENTION | _DENSE_MLP, {}, False),
+    "qwen2moe": _Family(
+        "Qwen2MoeForCausalLM", "qwen2_moe", _ATTENTION | _DENSE_MLP | _ROUTER | _SHARED_EXPERT, _EXPERTS, False
+    ),
+    "qwen3moe": _Family(
+        "Qwen3MoeForCausalLM", "qwen3_moe", _ATTENTION | _QK_NORM | _DENSE_MLP | _ROUTER, _EXPERTS, False
+    ),
+    "olmoe": _Family("OlmoeForCausalLM", "olmoe", _ATTENTION | _QK_NORM | _ROUTER, _EXPERTS, False),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class _TensorPlan:
+    """What to do with one GGUF tensor."""
+
+    gguf_name: str
+    hf_names: tuple[str, ...]  # one name, or one per expert for a stacked tensor
+    num_rope_heads: int | None  # undo LlamaModel.permute with this many heads
+    is_stacked: bool  # [num_experts, out, in] -> num_experts tensors
+    expert_index: int | None  # legacy per-expert tensor: its expert
+    is_row_vector: bool  # [hidden] -> [1, hidden] (shared_expert_gate)
+
+
+class GGUFCheckpoint:
+    """A GGUF file read as a HuggingFace checkpoint (config dict + named tensors).
+
+    Args:
+        path: the `.gguf` file (a single file; split GGUFs are not supported).
+
+    Raises:
+        FileNotFoundError: `path` does not exist.
+        ValueError: `path` is not a regular file or not a readable GGUF file; its
+            `general.architecture` is missing or not in `SUPPORTED_ARCHITECTURES`; or it holds
+            a tensor this module cannot name in HuggingFace terms (all such names are listed).
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self._reader = _open_reader(self.path)
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        self.architecture = self._architecture()
+        self._family = _FAMILIES[self._family_name()]
+        self._plans = self._build_plans()
+
+    # ---------------------------------------------------------------- metadata
+
+    def metadata(self, key: str, default: Any = None) -> Any:
+        """The value of GGUF metadata `key` (int, float, bool, str or list), or `default`."""
+        field = self._reader.get_field(key)
+        if field is None:
+            return default
+        value = field.contents()
+        if field.types == [gguf.GGUFValueType.FLOAT32]:
+            return float(str(np.float32(value)))  # shortest repr: 1e-05, not 9.9999997e-06
+        if isinstance(value, np.generic):
+            return value.item()
+        return value
+
+    def _arch_key(self, suffix: str, default: Any = None) -> Any:
+        return self.metadata(f"{self.architecture}.{suffix}", default)
+
+    def _architecture(self) -> str:
+        arch = self.metadata("general.architecture")
+        if arch is None:
+            raise ValueError(f"{self.path}: GGUF file has no 'general.architecture' metadata")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"{self.path}: unsupported GGUF architecture {arch!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        return arch
+
+    def _family_name(self) -> str:
+        if self.architecture == "llama" and (self._arch_key("expert_count") or 0) > 0:
+            return "mixtral"
+        return self.architecture
+
+    @property
+    def hf_config(self) -> dict[str, Any]:
+        """A HuggingFace `config.json`-style dict (JSON-serialisable) built from the metadata.
+
+        Raises:
+            ValueError: a required metadata key is missing, or the rope scaling type is
+                neither `linear` nor `yarn`.
+        """
+        config = self._base_config()
+        config.update(self._rope_config())
+        config.update(self._moe_config())
+        config.update(self._token_id_config())
+        return config
+
+    def _base_config(self) -> dict[str, Any]:
+        hidden_size = self._required("embedding_length")
+        num_heads = self._required("attention.head_count")
+        is_qwen2 = self.architecture in ("qwen2", "qwen2moe")
+        return {
+            "architectures": [self._family.hf_architecture],
+            "model_type": self._family.model_type,
+            "vocab_size": self._vocab_size(),
+            "hidden_size": hidden_size,
+            "intermediate_size": self._intermediate_size(),
+            "num_hidden_layers": self._required("block_count"),
+            "num_attention_heads": num_heads,
+            "num_key_value_heads": self._arch_key("attention.head_count_kv", num_heads),
+            "head_dim": self._arch_key("attention.key_length", hidden_size // num_heads),
+            "hidden_act": "silu",
+            "rms_norm_eps": self._arch_key("attention.layer_norm_rms_epsilon", 1e-6),
+            "max_position_embeddings": self._arch_key("context_length", 2048),
+            "tie_word_embeddings": "output.weight" not in self._tensors,
+            "attention_bias": is_qwen2 or "blk.0.attn_q.bias" in self._tensors,
+        }
+
+    def _required(self, suffix: str) -> Any:
+        value = self._arch_key(suffix)
+        if value is None:
+            raise ValueError(f"{self.path}: missing GGUF metadata '{self.architecture}.{suffix}'")
+        return value
+
+    def _vocab_size(self) -> int:
+        vocab_size = self._arch_key("vocab_size")
+        if vocab_size is None:
+            tokens = self.metadata("tokenizer.ggml.tokens")
+            vocab_size = len(tokens) if tokens is not None else self._gguf_rows("token_embd.weight")
+        return int(vocab_size)
+
+    def _gguf_rows(self, name: str) -> int | None:
+        """Rows (out features) of a GGUF matrix: GGUF shape [in, out, ...] -> out."""
+        tensor = self._tensors.get(name)
+        return None if tensor is None else int(tensor.shape[1])
+
+    def _intermediate_size(self) -> int | None:
+        size = self._arch_key("feed_forward_length")
+        if self._family.model_type in ("mixtral", "olmoe"):  # HF uses it as the expert size
+            size = self._arch_key("expert_feed_forward_length", size) or self._gguf_rows("blk.0.ffn_gate_exps.weight")
+        return size if size is not None else self._gguf_rows("blk.0.ffn_gate.weight")
+
+    def _rope_config(self) -> dict[str, Any]:
+        config: dict[str, Any] = {"rope_theta": float(self._arch_key("rope.freq_base", 10000.0))}
+        scaling_type = self._arch_key("rope.scaling.type")
+        factor = self._arch_key("rope.scaling.factor")
+        if scaling_type is None and self._arch_key("rope.scale_linear") is not None:
+            scaling_type, factor = "linear", self._arch_key("rope.scale_linear")
+        if scaling_type in (None, "none") or factor in (None, 1.0):
+            return config
+        if scaling_type == "linear":
+            config["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
+        elif scaling_type == "yarn":
+            original = self._arch_key("rope.scaling.original_context_length")
+            config["rope_scaling"] = {"rope_type": "yarn", "factor": float(factor)}
+            if original is not None:
+                config["rope_scaling"]["original_max_position_embeddings"] = int(original)
+        else:
+            raise ValueError(
+                f"{self.path}: unsupported rope scaling type {scaling_type!r}; supported: linear, yarn, none"
+            )
+        return config
+
+    def _moe_config(self) -> dict[str, Any]:
+        num_experts = self._arch_key("expert_count") or 0
+        if num_experts == 0:
+            return {}
+        model_type = self._family.model_type
+        config: dict[str, Any] = {"num_experts_per_tok": self._required("expert_used_count")}
+        config["num_local_experts" if model_type == "mixtral" else "num_experts"] = num_experts
+        if model_type in ("qwen2_moe", "qwen3_moe"):
+            config["moe_intermediate_size"] = self._arch_key("expert_feed_forward_length") or self._gguf_rows(
+                "blk.0.ffn_gate_exps.weight"
+            )
+        if model_type == "qwen3_moe":
+            config["norm_topk_prob"] = bool(self._arch_key("expert_weights_norm", True))
+        if model_type in ("qwen2_moe", "olmoe"):
+            config["norm_topk_prob"] = False
+        if model_type == "qwen2_moe":
+            config["shared_expert_intermediate_size"] = self._arch_key(
+                "expert_shared_feed_forward_length"
+            ) or self._gguf_rows("blk.0.ffn_gate_shexp.weight")
+        return config
+
+    def _token_id_config(self) -> dict[str, Any]:
+        config = {}
+        for hf_key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
+            value = self.metadata(f"tokenizer.ggml.{gguf_key}")
+            if value is not None:
+                config[hf_key] = int(value)
+        return config
+
+    @property
+    def rope_freq_factors(self) -> torch.Tensor | None:
+        """llama.cpp's `rope_freqs` tensor, or None when the file has none.
+
+        Returns:
+            float32 tensor [head_dim // 2]: per-dimension divisors of the rotary frequencies
+            (llama.cpp divides theta_i by factor_i). Written by the converter for Llama 3.x
+            "llama3" rope scaling, whose parameters the GGUF metadata does not keep, so they
+            are not in `hf_config`.
+        """
+        tensor = self._tensors.get("rope_freqs.weight")
+        return None if tensor is None else torch.from_numpy(_dequantize(tensor))
+
+    # ---------------------------------------------------------------- tensors
+
+    def _build_plans(self) -> list[_TensorPlan]:
+        plans: list[_TensorPlan] = []
+        unknown: list[str] = []
+        for name in self._tensors:
+            if name in _SKIPPED_GLOBAL:
+                continue
+            plan = self._plan_global(name) or self._plan_block(name)
+            if plan is None:
+                unknown.append(name)
+            elif plan.hf_names:
+                plans.append(plan)
+        if unknown:
+            raise ValueError(
+                f"{self.path}: GGUF tensors with no HuggingFace name for architecture "
+                f"{self._family.hf_architecture}: {', '.join(unknown)}"
+            )
+        return plans
+
+    def _plan_global(self, name: str) -> _TensorPlan | None:
+        hf_name = _GLOBAL_NAMES.get(name)
+        if hf_name is None:
+            return None
+        return _TensorPlan(name, (hf_name,), None, False, None, False)
+
+    def _plan_block(self, name: str) -> _TensorPlan | None:
+        match = _BLOCK_TENSOR.fullmatch(name)
+        if match is None:
+            return None
+        base, kind, expert = match["base"], match["kind"], match["expert"]
+        if base in _SKIPPED_BLOCK:
+            return _TensorPlan(name, (), None, False, None, False)
+        prefix = f"model.layers.{match['layer']}."
+        if expert is not None:  # legacy per-expert tensor
+            template = self._family.expert_names.get(_LEGACY_EXPERT_BASES.get(base, ""))
+            if template is None:
+                return None
+            hf_name = f"{prefix}{template.format(e=int(expert))}.{kind}"
+            return _TensorPlan(name, (hf_name,), None, False, int(expert), False)
+        if (template := self._family.expert_names.get(base)) is not None:
+            num_experts = int(self._tensors[name].shape[-1])  # GGUF [in, out, num_experts]
+            hf_names = tuple(f"{prefix}{template.format(e=e)}.{kind}" for e in range(num_experts))
+            return _TensorPlan(name, hf_names, None, True, None, False)
+        if (hf_base := self._family.block_names.get(base)) is None:
+            return None
+        return _TensorPlan(
+            name, (f"{prefix}{hf_base}.{kind}",), self._num_rope_heads(base), False, None, base == "ffn_gate_inp_shexp"
+        )
+
+    def _num_rope_heads(self, base: str) -> int | None:
+        if not self._family.is_rope_permuted or base not in ("attn_q", "attn_k"):
+            return None
+        num_heads = self._required("attention.head_count")
+        return num_heads if base == "attn_q" else self._arch_key("attention.head_count_kv", num_heads)
+
+    def tensor_names_hf(self) -> list[str]:
+        """The HuggingFace checkpoint names of all tensors, in file order (experts expanded)."""
+        return [hf_name for plan in self._plans for hf_name in plan.hf_names]
+
+    def iter_tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield `(hf_name, tensor)` for every tensor, dequantised to `dtype` on the CPU.
+
+        Shapes are the HuggingFace ones: linear weights [out, in], biases and norms [n],
+        embeddings [vocab_size, hidden_size], router `gate` [num_experts, hidden_size],
+        `shared_expert_gate` [1, hidden_size]; stacked experts become `num_experts` separate
+        (non-aliasing) [out, in] tensors. For arch `llama`, q_proj/k_proj rows are returned in
+        HF order (llama.cpp's `LlamaModel.permute` undone).
+
+        Raises:
+            NotImplementedError: from `gguf.quants.dequantize` for a quantisation type the
+                `gguf` package cannot dequantise.
+        """
+        for plan in self._plans:
+            array = _dequantize(self._tensors[plan.gguf_name])  # float32, numpy order
+            if plan.num_rope_heads is not None:
+                array = undo_llama_rope_permute(array, plan.num_rope_heads)
+            if plan.is_row_vector and array.ndim == 1:
+                array = array[None, :]  # [1, hidden_size]
+            tensor = torch.from_numpy(array).to(dtype)
+            if plan.is_stacked:  # [num_experts, out, in]
+                for expert, hf_name in enumerate(plan.hf_names):
+                    yield hf_name, tensor[expert].clone()
+            else:
+                yield plan.hf_names[0], tensor
+
+
+def _open_reader(path: Path) -> gguf.GGUFReader:
+    if not path.exists():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    if not path.is_file():
+        raise ValueError(f"{path} is not a file; expected a .gguf file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != _GGUF_MAGIC:
+        raise ValueError(f"{path} is not a GGUF file (starts with {magic!r}, expected {_GGUF_MAGIC!r})")
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, IndexError, KeyError) as exc:
+        raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
+
+
+def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
+    """Dequantise one GGUF tensor to a float32 array in numpy order (GGUF dims reversed)."""
+    array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    if np.may_share_memory(array, tensor.data):  # F32 is a view of the read-only memmap
+        array = array.copy()
+    return np.asarray(array, dtype=np.float32).reshape(shape)
+
+
+def undo_llama_rope_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Invert llama.cpp's rotary row permutation of a q_proj/k_proj weight or bias.
+
+    Source: llama.cpp `convert_hf_to_gguf.py`, `LlamaModel.permute`, which writes
+    `w.reshape(n_head, 2, dim // n_head // 2, *rest).swapaxes(1, 2).reshape(w.shape)`
+    (HF rotate-half order -> interleaved pairs), with `n_head` = num_attention_heads for q and
+    num_key_value_heads for k. This is the inverse: view rows as [n_head, head_dim // 2, 2]
+    and swap back.
+
+    Args:
+        weight: [num_heads * head_dim, ...] in GGUF (interleaved) row order.
+        num_heads: heads the rows belong to.
+
+    Returns:
+        Array of the same shape and dtype in HuggingFace row order.
+
+    Raises:
+        ValueError: the row count is not a multiple of 2 * num_heads.
+    """
+    num_rows = weight.shape[0]
+    if num_heads <= 0 or num_rows % (2 * num_heads) != 0:
+        raise ValueError(f"cannot undo rope permutation: {num_rows} rows is not a multiple of 2 * {num_heads} heads")
+    half_head_dim = num_rows // num_heads // 2
+    return weight.reshape(num_heads, half_head_dim, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def load_gguf_tokenizer(path: str | os.PathLike) -> Any:
+    """Build the HF tokenizer stored in a GGUF file, offline (local file only).
+
+    Calls `transformers.AutoTokenizer.from_pretrained(dirname, gguf_file=basename,
+    local_files_only=True)`. AutoTokenizer first builds a model config from the GGUF and
+    refuses architectures transformers cannot load from GGUF (e.g. `olmoe`); then the
+    architecture-independent `PreTrainedTokenizerFast` builder is used on the same metadata.
+
+    Returns:
+        A transformers fast tokenizer.
+
+    Raises:
+        FileNotFoundError: `path` does not exist.
+        ValueError: transformers cannot build a tokenizer from the file's metadata (the
+            AutoTokenizer error, with the fallback's error chained).
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    directory, name = str(path.parent), path.name
+    try:
+        return AutoTokenizer.from_pretrained(directory, gguf_file=name, local_files_only=True)
+    except ValueError as auto_error:
+        try:
+            return PreTrainedTokenizerFast.from_pretrained(directory, gguf_file=name, local_files_only=True)
+        except (ValueError, KeyError) as fallback_error:
+            raise auto_error from fallback_error

@@ -1,0 +1,46 @@
+"""The state of one generation request (L0 contract: no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specmoe.outputs import RequestMetrics, SpecDecodeStats, TokenLogprob
+from specmoe.sampling_params import SamplingParams
+
+
+@dataclass
+class Request:
+    """A request and everything generated for it so far.
+
+    Attributes:
+        output_token_ids: emitted tokens, in order.
+        output_logprobs: one entry per emitted token when `params.logprobs` is set.
+        text: generated text, set when the request finishes (or when stop strings are
+            checked).
+        finish_reason: None while running, then "stop" or "length".
+        stop_reason: the stop string or stop token id that ended it (None for EOS/length).
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    spec_stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,56 @@
+"""Prompt-lookup (n-gram) drafting: find the latest earlier occurrence of the context's last
+n tokens and propose what followed it (Saxena 2023, "Prompt Lookup Decoding"; the `ngram`
+method of vLLM and llama.cpp's lookup decoding)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specmoe.spec_decode.proposer import DraftProposal, ProposeRequest
+
+
+def find_ngram_continuation(context: list[int], min_n: int, max_n: int,
+                            num_tokens: int) -> list[int]:
+    """The continuation of the latest earlier match of the longest suffix n-gram.
+
+    Tries n = max_n down to min_n; for each, looks for the most recent position i with
+    context[i:i+n] == context[-n:] and i + n < len(context), and returns up to
+    `num_tokens` tokens from context[i+n:]. Returns [] when nothing matches, when the
+    context is shorter than n + 1, or when num_tokens <= 0.
+    """
+    if num_tokens <= 0:
+        return []
+    arr = np.asarray(context, dtype=np.int64)
+    for n in range(min(max_n, len(arr) - 1), min_n - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # [L - n, n]
+        hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return arr[start:start + num_tokens].tolist()
+    return []
+
+
+class NgramProposer:
+    """Deterministic proposer (q is one-hot on each proposed token).
+
+    Args:
+        min_n: smallest suffix n-gram to match (>= 1).
+        max_n: largest suffix n-gram to match; longer ones are tried first.
+    """
+
+    name = "ngram"
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"invalid n-gram range [{min_n}, {max_n}]: need 1 <= min <= max")
+        self.min_n, self.max_n = min_n, max_n
+
+    def begin(self, request_id: str, capacity: int) -> None:
+        pass
+
+    def propose(self, req: ProposeRequest) -> DraftProposal:
+        return DraftProposal(find_ngram_continuation(req.context, self.min_n, self.max_n,
+                                                     req.num_tokens))
+
+    def end(self, request_id: str) -> None:
+        pass
