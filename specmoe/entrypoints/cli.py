@@ -62,11 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_generate(args) -> None:
     from specmoe import LLM, SamplingParams
-    llm = LLM(args.model, speculative=speculative_from_args(args), dtype=args.dtype,
-              device=args.device, max_model_len=args.max_model_len)
+    # Validate the cheap things before spending seconds on loading.
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
                             stop=args.stop, ignore_eos=args.ignore_eos)
+    llm = LLM(args.model, speculative=speculative_from_args(args), dtype=args.dtype,
+              device=args.device, max_model_len=args.max_model_len)
     prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat \
         else args.prompt
     out = llm.generate(prompt, params)[0]
