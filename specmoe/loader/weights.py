@@ -21,7 +21,8 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
     """Copy checkpoint `tensors` (HuggingFace names) into `model`'s parameters.
 
     Raises:
-        ValueError: unexpected checkpoint tensors, missing parameters, or shape mismatches.
+        ValueError: unexpected checkpoint tensors, missing parameters, a parameter filled
+            twice, or shape mismatches.
     """
     params = dict(model.named_parameters())
     expected = set(_expected_slots(params))
@@ -36,6 +37,8 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
         if slot is None or slot[0] not in params:
             unexpected.append(name)
             continue
+        if slot in loaded:
+            raise ValueError(f"checkpoint tensor {name} fills {_fmt(slot)} a second time")
         _copy(params[slot[0]], slot, tensor, name)
         loaded.add(slot)
     _raise_if(unexpected, "unexpected checkpoint tensors (no parameter takes them)")

@@ -65,3 +65,11 @@ def sparse_layers(hf: dict, num_layers: int) -> list[int]:
     step = hf.get("decoder_sparse_step") or 1
     dense = set(hf.get("mlp_only_layers") or [])
     return [i for i in range(num_layers) if i not in dense and (i + 1) % step == 0]
+
+
+def reject_sliding_window(hf: dict) -> None:
+    """Raise ValueError for Qwen-style `use_sliding_window`, whose per-layer windows
+    (`max_window_layers`, `layer_types`) we do not implement."""
+    if hf.get("use_sliding_window"):
+        arch = (hf.get("architectures") or ["?"])[0]
+        raise ValueError(f"{arch} with use_sliding_window=true is not supported")

@@ -4,7 +4,8 @@ expert scaled by a sigmoid gate; `norm_topk_prob` off by default."""
 from __future__ import annotations
 
 from specmoe.config import ArchConfig, MoEConfig
-from specmoe.models.common import common_fields, required, sparse_layers
+from specmoe.models.common import (common_fields, reject_sliding_window, required,
+                                   sparse_layers)
 from specmoe.models.weight_rules import COMMON_RULES, QWEN_MOE_RULES
 
 ARCHITECTURES = ("Qwen2MoeForCausalLM",)
@@ -14,7 +15,8 @@ WEIGHT_RULES = COMMON_RULES + QWEN_MOE_RULES
 def parse_config(hf: dict) -> ArchConfig:
     """ArchConfig from a Qwen2-MoE config.json dict."""
     fields = common_fields(hf)
-    fields["attention_bias"] = True
+    reject_sliding_window(hf)
+    fields["attention_bias"] = bool(hf.get("qkv_bias", True))  # q/k/v only, never o_proj
     shared = hf.get("shared_expert_intermediate_size") or 0
     fields["moe"] = MoEConfig(
         num_experts=required(hf, "num_experts", "num_local_experts"),

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from specmoe.config import ArchConfig, MoEConfig
-from specmoe.models.common import common_fields, required, sparse_layers
+from specmoe.models.common import (common_fields, reject_sliding_window, required,
+                                   sparse_layers)
 from specmoe.models.weight_rules import COMMON_RULES, QWEN_MOE_RULES
 
 ARCHITECTURES = ("Qwen3MoeForCausalLM",)
@@ -13,6 +14,7 @@ WEIGHT_RULES = COMMON_RULES + QWEN_MOE_RULES
 def parse_config(hf: dict) -> ArchConfig:
     """ArchConfig from a Qwen3-MoE config.json dict."""
     fields = common_fields(hf)
+    reject_sliding_window(hf)
     if hf.get("attention_bias"):
         raise ValueError("Qwen3-MoE with attention_bias=true is not supported")
     fields["qk_norm"] = "per_head"

@@ -1,0 +1,228 @@
+"""Every supported model family against HuggingFace `transformers` on tiny random configs.
+
+For each family a random model is built with `AutoModelForCausalLM.from_config`, saved with
+`save_pretrained` and loaded with our loader in float32. We then check:
+  (a) logits of one prefill and of the same tokens fed in chunks through the KV cache (decode,
+      multi-token verification and SDPA-with-offset paths) equal transformers' within 1e-4,
+      also after rolling the cache back and feeding different tokens;
+  (b) the greedy continuation from `LLM.generate` equals `hf_model.generate(do_sample=False)`;
+  (c) greedy speculative decoding (n-gram and draft model) emits exactly the same tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from specmoe import LLM, SamplingParams
+from specmoe.config import ModelConfig
+from specmoe.loader.model_loader import LoadedModel, load_model
+from specmoe.worker.model_runner import ModelRunner
+
+VOCAB_SIZE = 160
+SEQ_LEN = 24
+NUM_NEW_TOKENS = 32
+ATOL = 1e-4
+
+_BASE = dict(
+    vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    # Larger than the default 0.02 so attention is peaked and routing decisive: a wrong mask,
+    # RoPE or expert choice then moves the logits far beyond ATOL.
+    initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)
+_MOE = dict(num_experts=8, num_experts_per_tok=2)
+_LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=32, rope_theta=10000.0)
+
+
+def _config(case: str) -> transformers.PretrainedConfig:
+    base = dict(_BASE)
+    if case == "llama_tied_llama3_rope":
+        return transformers.LlamaConfig(**base, tie_word_embeddings=True,
+                                        rope_parameters=_LLAMA3_ROPE)
+    if case == "llama_linear_rope":
+        rope = dict(rope_type="linear", factor=2.0, rope_theta=5000.0)
+        return transformers.LlamaConfig(**base, rope_parameters=rope)
+    if case == "mistral_sliding_window":
+        base["num_hidden_layers"] = 3
+        return transformers.MistralConfig(**base, sliding_window=8)
+    if case == "qwen2":
+        return transformers.Qwen2Config(**base)
+    if case == "mixtral":
+        return transformers.MixtralConfig(**base, num_local_experts=4, num_experts_per_tok=2)
+    if case == "qwen2_moe_sparse_step":
+        base["num_hidden_layers"] = 3  # layer 1 is MoE, layers 0 and 2 dense
+        return transformers.Qwen2MoeConfig(**base, **_MOE, moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=48,
+                                           decoder_sparse_step=2)
+    if case == "qwen3_moe_norm_topk":
+        return transformers.Qwen3MoeConfig(**base, **_MOE, moe_intermediate_size=32,
+                                           head_dim=24, norm_topk_prob=True)
+    if case == "qwen3_moe_no_norm_topk_mlp_only":
+        base["num_hidden_layers"] = 3  # layer 1 dense, layers 0 and 2 MoE
+        return transformers.Qwen3MoeConfig(**base, **_MOE, moe_intermediate_size=32,
+                                           head_dim=16, norm_topk_prob=False,
+                                           mlp_only_layers=[1])
+    if case == "olmoe":
+        return transformers.OlmoeConfig(**base, **_MOE, clip_qkv=0.5)
+    raise KeyError(case)
+
+
+CASES = ["llama_tied_llama3_rope", "llama_linear_rope", "mistral_sliding_window", "qwen2",
+         "mixtral", "qwen2_moe_sparse_step", "qwen3_moe_norm_topk",
+         "qwen3_moe_no_norm_topk_mlp_only", "olmoe"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models: intra-op threads only add overhead, and on a busy machine their
+    spin-waiting slows these tests by orders of magnitude."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+@dataclass
+class Family:
+    case: str
+    path: Path
+    hf_model: transformers.PreTrainedModel
+    loaded: LoadedModel
+    runner: ModelRunner
+
+
+def _randomise_vectors(model: torch.nn.Module) -> None:
+    """Norm weights and biases start at 1 and 0: perturb them so loading them is tested."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+
+
+@pytest.fixture(scope="module", params=CASES)
+def family(request, tmp_path_factory) -> Family:
+    case = request.param
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(
+        _config(case), dtype=torch.float32, attn_implementation="eager").eval()
+    _randomise_vectors(hf_model)
+    path = tmp_path_factory.mktemp(case)
+    hf_model.save_pretrained(path)
+    loaded = load_model(ModelConfig(str(path), dtype="float32", device="cpu"))
+    return Family(case, path, hf_model, loaded, ModelRunner(loaded))
+
+
+def _hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([ids])).logits[0].float()  # [T, vocab_size]
+
+
+def _random_ids(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB_SIZE, (n,), generator=g).tolist()
+
+
+def test_parsed_architecture(family: Family):
+    cfg, arch = family.hf_model.config, family.loaded.arch
+    assert arch.vocab_size == cfg.vocab_size
+    assert arch.num_hidden_layers == cfg.num_hidden_layers
+    assert arch.tie_word_embeddings == bool(cfg.tie_word_embeddings)
+    hf_moe_layers = [i for i, layer in enumerate(family.hf_model.model.layers)
+                     if hasattr(layer.mlp, "gate")]
+    assert (arch.moe.moe_layers if arch.is_moe else []) == hf_moe_layers
+    if family.case in ("qwen2_moe_sparse_step", "qwen3_moe_no_norm_topk_mlp_only"):
+        assert 0 < len(hf_moe_layers) < cfg.num_hidden_layers  # dense and MoE layers mixed
+
+
+def test_prefill_logits_match(family: Family):
+    ids = _random_ids(1, SEQ_LEN)
+    cache = family.runner.new_cache(SEQ_LEN)
+    ours = family.runner.forward(cache, ids)
+    torch.testing.assert_close(ours, _hf_logits(family.hf_model, ids), atol=ATOL, rtol=0)
+    assert cache.num_computed == SEQ_LEN
+
+
+@pytest.mark.parametrize("chunks", [[10, 1, 5, 8], [5, 17, 1, 1]],
+                         ids=["small_queries", "sdpa_with_offset"])
+def test_chunked_logits_match(family: Family, chunks: list[int]):
+    ids = _random_ids(1, SEQ_LEN)
+    ref = _hf_logits(family.hf_model, ids)
+    cache = family.runner.new_cache(SEQ_LEN)
+    start = 0
+    for n in chunks:
+        ours = family.runner.forward(cache, ids[start:start + n])
+        torch.testing.assert_close(ours, ref[start:start + n], atol=ATOL, rtol=0,
+                                   msg=lambda m: f"chunk at {start}: {m}")
+        start += n
+    assert start == SEQ_LEN
+
+
+def test_rollback_then_new_tokens_match(family: Family):
+    """Rejected drafts: roll back, feed other tokens; stale cache entries must not leak."""
+    ids = _random_ids(1, SEQ_LEN)
+    keep = 15
+    other = ids[:keep] + _random_ids(2, SEQ_LEN - keep)
+    cache = family.runner.new_cache(SEQ_LEN)
+    family.runner.forward(cache, ids[:12])
+    family.runner.forward(cache, ids[12:])
+    cache.rollback(keep)
+    ours = family.runner.forward(cache, other[keep:keep + 4])
+    ours = torch.cat([ours, family.runner.forward(cache, other[keep + 4:])])
+    ref = _hf_logits(family.hf_model, other)[keep:]
+    torch.testing.assert_close(ours, ref, atol=ATOL, rtol=0)
+
+
+def _prompt() -> list[int]:
+    half = _random_ids(3, 6)
+    return half + _random_ids(4, 2) + half  # repeated so the n-gram proposer finds matches
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(family: Family) -> list[int]:
+    # We generate with ignore_eos=True; transformers must not stop at EOS either (a None in a
+    # generation_config passed to generate() would be filled back in from the model's).
+    family.hf_model.generation_config.eos_token_id = None
+    prompt = _prompt()
+    with torch.no_grad():
+        out = family.hf_model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False, max_new_tokens=NUM_NEW_TOKENS)
+    new = out[0, len(prompt):].tolist()
+    assert len(new) == NUM_NEW_TOKENS  # transformers did not stop early
+    return new
+
+
+def _generate(family: Family, speculative: dict | None):
+    llm = LLM(str(family.path), speculative=speculative, dtype="float32", device="cpu")
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    (out,) = llm.generate([_prompt()], params)
+    return out
+
+
+def test_greedy_matches_transformers(family: Family, hf_greedy: list[int]):
+    out = _generate(family, None)
+    assert out.token_ids == hf_greedy
+    assert out.finish_reason == "length"
+    assert out.spec_stats.num_drafts == 0
+
+
+def test_greedy_ngram_speculation_is_lossless(family: Family, hf_greedy: list[int]):
+    out = _generate(family, {"method": "ngram", "num_speculative_tokens": 4})
+    assert out.token_ids == hf_greedy
+    assert out.spec_stats.num_accepted_tokens > 0  # multi-token verification was exercised
+
+
+def test_greedy_draft_model_speculation_is_lossless(family: Family, hf_greedy: list[int]):
+    out = _generate(family, {"method": "draft", "draft_model": str(family.path),
+                             "num_speculative_tokens": 3})
+    assert out.token_ids == hf_greedy
+    stats = out.spec_stats
+    assert stats.num_draft_tokens > 0
+    # The draft is the target itself, so (up to fp32 near-ties) every draft is accepted.
+    assert stats.acceptance_rate > 0.9, stats.to_dict()
