@@ -54,7 +54,8 @@ class SamplingParams:
         _check(self.top_k == -1 or self.top_k >= 0, "top_k", self.top_k, "0 or -1 (off) or >= 1")
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
         _check(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
+        _check(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool)
+               and self.max_tokens >= 1, "max_tokens",
                self.max_tokens, "an integer >= 1")
         _check(self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs,
                "None or >= 0")

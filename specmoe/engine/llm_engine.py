@@ -118,6 +118,12 @@ class LLM:
             ids, prompt = list(prompt), None
         if not ids:
             raise ValueError("invalid prompt: it is empty (0 tokens)")
+        vocab = self.target.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
+               or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"invalid prompt token ids {bad[:5]}: must be integers in "
+                             f"[0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"invalid prompt: {len(ids)} tokens leave no room to generate "
                              f"within max_model_len={self.max_model_len}")

@@ -58,7 +58,8 @@ class OutputProcessor:
             req.finish_reason = "length"
 
     def _check_stop_strings(self, req: Request) -> bool:
-        previous_len = len(req.text)
+        # An incomplete UTF-8 character decodes as U+FFFD; a stop string may end in it.
+        previous_len = len(req.text.rstrip("\ufffd"))
         req.text = self.decode(req.output_token_ids)
         best = None
         for stop in req.params.stop:

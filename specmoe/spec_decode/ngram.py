@@ -17,7 +17,12 @@ def find_ngram_continuation(context: list[int], min_n: int, max_n: int,
     context[i:i+n] == context[-n:] and i + n < len(context), and returns up to
     `num_tokens` tokens from context[i+n:]. Returns [] when nothing matches, when the
     context is shorter than n + 1, or when num_tokens <= 0.
+
+    Raises:
+        ValueError: unless 1 <= min_n <= max_n.
     """
+    if not 1 <= min_n <= max_n:
+        raise ValueError(f"invalid n-gram range [{min_n}, {max_n}]: need 1 <= min <= max")
     if num_tokens <= 0:
         return []
     arr = np.asarray(context, dtype=np.int64)
