@@ -1,6 +1,6 @@
 # Every target creates or refreshes the virtual environment it needs, so a fresh machine
 # (Python 3.11, pip, gcc, make) needs nothing else.
-PYTHON ?= python3.11
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specmoe-installed
