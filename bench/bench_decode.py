@@ -19,19 +19,10 @@ import time
 import torch
 
 from specmoe import LLM, SamplingParams
-from specmoe.loader.aliases import resolve_model_path
+from specmoe.bench.peers import load_transformers_model
 from specmoe.utils.data import load_prompts
 
 MODES = ("ours_plain", "ours_ngram", "transformers")
-
-
-def load_transformers(model: str, dtype: str):
-    from transformers import AutoModelForCausalLM
-    path = resolve_model_path(model)
-    kwargs = {"gguf_file": path.name} if path.is_file() else {}
-    src = str(path.parent if path.is_file() else path)
-    hf = AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, dtype), **kwargs)
-    return hf.eval()
 
 
 def run_ours(llm: LLM, ids: list[int], k: int, max_tokens: int) -> tuple[list[int], float]:
@@ -54,7 +45,7 @@ def run_hf(hf, ids: list[int], max_tokens: int) -> tuple[list[int], float]:
 def bench_dtype(args, dtype: str, prompts: list[str]) -> dict:
     llm = LLM(args.model, speculative={"method": "ngram", "num_speculative_tokens": args.k},
               dtype=dtype)
-    hf = load_transformers(args.model, dtype)
+    hf = load_transformers_model(args.model, getattr(torch, dtype))
     encoded = [llm.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
     runs = {m: [] for m in MODES}  # per rep: (tokens, seconds)
     mismatches = 0

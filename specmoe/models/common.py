@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from specmoe.config import MoEConfig
+
 
 def required(hf: dict, *names: str) -> Any:
     """The first present of `names` in `hf`.
@@ -73,3 +75,16 @@ def reject_sliding_window(hf: dict) -> None:
     if hf.get("use_sliding_window"):
         arch = (hf.get("architectures") or ["?"])[0]
         raise ValueError(f"{arch} with use_sliding_window=true is not supported")
+
+
+def qwen_moe_config(hf: dict, num_layers: int, shared_size: int = 0) -> MoEConfig:
+    """The MoEConfig of Qwen2-MoE / Qwen3-MoE configs (fine-grained experts, optional
+    shared expert with a sigmoid gate, `norm_topk_prob` off unless set)."""
+    return MoEConfig(
+        num_experts=required(hf, "num_experts", "num_local_experts"),
+        top_k=required(hf, "num_experts_per_tok"),
+        moe_intermediate_size=required(hf, "moe_intermediate_size"),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=shared_size,
+        has_shared_expert_gate=shared_size > 0,
+        moe_layers=sparse_layers(hf, num_layers))

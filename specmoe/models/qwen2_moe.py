@@ -3,9 +3,8 @@ expert scaled by a sigmoid gate; `norm_topk_prob` off by default."""
 
 from __future__ import annotations
 
-from specmoe.config import ArchConfig, MoEConfig
-from specmoe.models.common import (common_fields, reject_sliding_window, required,
-                                   sparse_layers)
+from specmoe.config import ArchConfig
+from specmoe.models.common import common_fields, qwen_moe_config, reject_sliding_window
 from specmoe.models.weight_rules import COMMON_RULES, QWEN_MOE_RULES
 
 ARCHITECTURES = ("Qwen2MoeForCausalLM",)
@@ -18,12 +17,5 @@ def parse_config(hf: dict) -> ArchConfig:
     reject_sliding_window(hf)
     fields["attention_bias"] = bool(hf.get("qkv_bias", True))  # q/k/v only, never o_proj
     shared = hf.get("shared_expert_intermediate_size") or 0
-    fields["moe"] = MoEConfig(
-        num_experts=required(hf, "num_experts", "num_local_experts"),
-        top_k=required(hf, "num_experts_per_tok"),
-        moe_intermediate_size=required(hf, "moe_intermediate_size"),
-        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-        shared_expert_intermediate_size=shared,
-        has_shared_expert_gate=shared > 0,
-        moe_layers=sparse_layers(hf, fields["num_hidden_layers"]))
+    fields["moe"] = qwen_moe_config(hf, fields["num_hidden_layers"], shared)
     return ArchConfig(**fields)

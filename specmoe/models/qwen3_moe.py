@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from specmoe.config import ArchConfig, MoEConfig
-from specmoe.models.common import (common_fields, reject_sliding_window, required,
-                                   sparse_layers)
+from specmoe.config import ArchConfig
+from specmoe.models.common import common_fields, qwen_moe_config, reject_sliding_window
 from specmoe.models.weight_rules import COMMON_RULES, QWEN_MOE_RULES
 
 ARCHITECTURES = ("Qwen3MoeForCausalLM",)
@@ -18,10 +17,5 @@ def parse_config(hf: dict) -> ArchConfig:
     if hf.get("attention_bias"):
         raise ValueError("Qwen3-MoE with attention_bias=true is not supported")
     fields["qk_norm"] = "per_head"
-    fields["moe"] = MoEConfig(
-        num_experts=required(hf, "num_experts", "num_local_experts"),
-        top_k=required(hf, "num_experts_per_tok"),
-        moe_intermediate_size=required(hf, "moe_intermediate_size"),
-        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-        moe_layers=sparse_layers(hf, fields["num_hidden_layers"]))
+    fields["moe"] = qwen_moe_config(hf, fields["num_hidden_layers"])
     return ArchConfig(**fields)

@@ -1,0 +1,1 @@
+"""Benchmarks and the peers they compare against (L7)."""

@@ -1,0 +1,37 @@
+"""Peer engines on the same weights, for side-by-side benchmarks."""
+
+from __future__ import annotations
+
+import torch
+
+from specmoe.loader.aliases import resolve_model_path
+from specmoe.loader.hf_dir import iter_safetensors, read_hf_config
+
+
+def load_transformers_model(model: str, dtype: torch.dtype):
+    """A transformers causal LM with exactly the weights our loader reads for `model`
+    (HF directory, GGUF file or alias): a GGUF is dequantised by our GGUF reader and its
+    tensors, already under HuggingFace names, go into `AutoModelForCausalLM.from_config`.
+
+    Raises:
+        ValueError: when transformers' model lacks or rejects a tensor.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+    path = resolve_model_path(model)
+    if path.is_file():
+        from specmoe.loader.gguf_file import GGUFCheckpoint
+        ckpt = GGUFCheckpoint(path)
+        hf_config, tensors = ckpt.hf_config, ckpt.iter_tensors(dtype)
+    else:
+        hf_config, tensors = read_hf_config(path), iter_safetensors(path, dtype)
+    config = AutoConfig.for_model(**hf_config)
+    with torch.device("cpu"):
+        hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    missing, unexpected = hf.load_state_dict(dict(tensors), strict=False)
+    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"transformers model for {model}: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    if config.tie_word_embeddings:
+        hf.tie_weights()
+    return hf.eval()
