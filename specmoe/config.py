@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 SPECULATIVE_METHODS = ("ngram", "draft")
+QUANTIZATION_METHODS = ("int8", "int4")
 
 
 @dataclass
@@ -95,16 +96,20 @@ class ModelConfig:
         dtype: "float32" or "bfloat16" (float16 on CUDA).
         device: "cpu", "cuda" or "cuda:N"; None picks CUDA when present.
         max_model_len: context limit in tokens (None: the model's max_position_embeddings).
+        quantization: None (weights in `dtype`), "int8" or "int4" weight-only quantisation of
+            the dense projections (see `specmoe.layers.quantization`).
     """
 
     model: str
     dtype: str = "float32"
     device: str | None = None
     max_model_len: int | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"invalid dtype={self.dtype!r}: must be one of {SUPPORTED_DTYPES}")
+        _check_quantization("quantization", self.quantization)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"invalid max_model_len={self.max_model_len}: must be >= 2")
 
@@ -119,6 +124,8 @@ class SpeculativeConfig:
         draft_model: path or alias of the draft model (method "draft").
         prompt_lookup_min: smallest n-gram matched (method "ngram").
         prompt_lookup_max: largest n-gram matched; longer matches are tried first.
+        draft_quantization: None, "int8" or "int4" for the draft model's weights (a draft
+            reads all its weights for every token it drafts, so fewer bytes pay directly).
     """
 
     method: str
@@ -126,6 +133,7 @@ class SpeculativeConfig:
     draft_model: str | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
+    draft_quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -140,6 +148,13 @@ class SpeculativeConfig:
             raise ValueError(f"invalid prompt_lookup_min={self.prompt_lookup_min}, "
                              f"prompt_lookup_max={self.prompt_lookup_max}: need "
                              "1 <= min <= max")
+        _check_quantization("draft_quantization", self.draft_quantization)
+
+
+def _check_quantization(name: str, value: str | None) -> None:
+    if value is not None and value not in QUANTIZATION_METHODS:
+        raise ValueError(f"invalid {name}={value!r}: must be None or one of "
+                         f"{QUANTIZATION_METHODS}")
 
 
 @dataclass

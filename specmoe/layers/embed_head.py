@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specmoe.layers.linear import Linear
+
 
 class VocabEmbedding(nn.Module):
     """Token ids [T] int64 -> embeddings [T, H]. Weight: [vocab_size, H]."""
@@ -18,23 +20,32 @@ class VocabEmbedding(nn.Module):
         return F.embedding(token_ids, self.weight)
 
 
+class TiedProjection(nn.Module):
+    """x @ E^T with the embedding's weight E [vocab_size, H], owning no parameter."""
+
+    def __init__(self, embedding: VocabEmbedding) -> None:
+        super().__init__()
+        self._embedding = [embedding]  # a list, so the weight is not registered twice
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._embedding[0].weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight)
+
+
 class LMHead(nn.Module):
     """Hidden states [T, H] -> logits [T, vocab_size] float32.
 
-    With `tied` set, reuses the embedding's weight instead of owning one.
+    `proj` is a Linear [vocab_size, H] of its own, or a TiedProjection onto the embedding;
+    quantisation may replace it (see `layers.quantization`).
     """
 
     def __init__(self, vocab_size: int, hidden_size: int,
                  tied: VocabEmbedding | None = None) -> None:
         super().__init__()
-        self.tied = tied is not None
-        if tied is not None:
-            self._embedding = [tied]  # a list, so the weight is not registered twice
-        else:
-            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
-
-    def head_weight(self) -> torch.Tensor:
-        return self._embedding[0].weight if self.tied else self.weight
+        self.proj = TiedProjection(tied) if tied is not None else Linear(hidden_size, vocab_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.head_weight()).float()
+        return self.proj(hidden).float()

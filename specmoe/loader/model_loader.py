@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from specmoe.config import ArchConfig, ModelConfig
+from specmoe.layers.quantization import quantize_model
 from specmoe.loader.aliases import resolve_model_path
 from specmoe.loader.hf_dir import iter_safetensors, read_hf_config
 from specmoe.loader.weights import load_weights
@@ -76,6 +77,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
         model = DecoderModel(arch, max_len)
     load_weights(model, _to_device(tensors, device), family.WEIGHT_RULES,
                  arch.tie_word_embeddings)
+    if config.quantization is not None:
+        quantize_model(model, config.quantization)
     model.eval().requires_grad_(False)
     return LoadedModel(model, arch, path, device, dtype, max_len)
 

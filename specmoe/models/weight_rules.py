@@ -28,7 +28,7 @@ _L = r"model\.layers\.(?P<l>\d+)\."
 COMMON_RULES = [
     rule(r"model\.embed_tokens\.weight", "embed_tokens.weight"),
     rule(r"model\.norm\.weight", "norm.weight"),
-    rule(r"lm_head\.weight", "lm_head.weight"),
+    rule(r"lm_head\.weight", "lm_head.proj.weight"),
     rule(_L + r"input_layernorm\.weight", "layers.{l}.input_norm.weight"),
     rule(_L + r"post_attention_layernorm\.weight", "layers.{l}.post_attn_norm.weight"),
     rule(_L + r"self_attn\.q_proj\.(?P<p>weight|bias)", "layers.{l}.attn.qkv_proj.{p}", 0),

@@ -20,7 +20,8 @@ def build_proposer(spec: SpeculativeConfig, target: ModelRunner, target_tokenize
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     draft = load_model(ModelConfig(spec.draft_model, dtype=target_model_config.dtype,
-                                   device=str(target.device)))
+                                   device=str(target.device),
+                                   quantization=spec.draft_quantization))
     check_vocab_match(target, target_tokenizer, draft)
     return DraftModelProposer(ModelRunner(draft))
 

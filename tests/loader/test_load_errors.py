@@ -131,7 +131,7 @@ def test_tensor_for_a_layer_that_does_not_exist_is_named(llama_dir, tmp_path):
     ("model.layers.1.self_attn.k_proj.weight", "layers.1.attn.qkv_proj.weight"),
     ("model.layers.0.mlp.up_proj.weight", "layers.0.mlp.gate_up_proj.weight"),
     ("model.norm.weight", "norm.weight"),
-    ("lm_head.weight", "lm_head.weight"),
+    ("lm_head.weight", "lm_head.proj.weight"),
 ])
 def test_missing_tensor_names_the_parameter(llama_dir, tmp_path, ckpt_name, param_name):
     model_dir = _copy(llama_dir, tmp_path)
