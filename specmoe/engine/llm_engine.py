@@ -33,6 +33,7 @@ class LLM:
         device: "cpu", "cuda", ... (None: CUDA when available).
         max_model_len: context limit in tokens (None: the model's).
         seed: seeds the per-request generators of requests without their own seed.
+        quantization: None, "int8" or "int4" weight-only quantisation of the target.
 
     Raises:
         FileNotFoundError, ValueError: bad path, unsupported model, bad option, a draft
@@ -41,11 +42,12 @@ class LLM:
 
     def __init__(self, model: str, speculative: SpeculativeConfig | dict | None = None,
                  dtype: str = "float32", device: str | None = None,
-                 max_model_len: int | None = None, seed: int = 0) -> None:
+                 max_model_len: int | None = None, seed: int = 0,
+                 quantization: str | None = None) -> None:
         if isinstance(speculative, dict):
             speculative = SpeculativeConfig(**speculative)
-        self.config = EngineConfig(ModelConfig(model, dtype, device, max_model_len),
-                                   speculative, seed)
+        self.config = EngineConfig(
+            ModelConfig(model, dtype, device, max_model_len, quantization), speculative, seed)
         loaded = load_model(self.config.model)
         self.target = ModelRunner(loaded)
         self.tokenizer = _try_tokenizer(loaded)

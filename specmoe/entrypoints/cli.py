@@ -14,6 +14,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: auto)")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="weight-only quantisation of the target's dense projections")
 
 
 def add_spec_args(p: argparse.ArgumentParser, default_draft: str | None = None) -> None:
@@ -23,6 +25,9 @@ def add_spec_args(p: argparse.ArgumentParser, default_draft: str | None = None) 
                    help="K, draft tokens verified per step (default: %(default)s)")
     p.add_argument("--prompt-lookup-min", type=int, default=1)
     p.add_argument("--prompt-lookup-max", type=int, default=3)
+    p.add_argument("--draft-quantization", default=None, choices=["int8", "int4"],
+                   help="weight-only quantisation of the draft model (int4: ~3x cheaper "
+                        "drafting on CPU)")
 
 
 def speculative_from_args(args) -> dict | None:
@@ -30,10 +35,18 @@ def speculative_from_args(args) -> dict | None:
         return None
     spec = {"num_speculative_tokens": args.num_speculative_tokens,
             "prompt_lookup_min": args.prompt_lookup_min,
-            "prompt_lookup_max": args.prompt_lookup_max}
+            "prompt_lookup_max": args.prompt_lookup_max,
+            "draft_quantization": args.draft_quantization}
     if args.draft == "ngram":
         return {"method": "ngram", **spec}
     return {"method": "draft", "draft_model": args.draft, **spec}
+
+
+def llm_from_args(args, speculative: dict | None):
+    """An LLM built from the model and speculation options of `add_model_args`."""
+    from specmoe import LLM
+    return LLM(args.model, speculative=speculative, dtype=args.dtype, device=args.device,
+               max_model_len=args.max_model_len, quantization=args.quantization)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,13 +107,12 @@ def format_model_rows(rows) -> str:
 
 
 def cmd_generate(args) -> None:
-    from specmoe import LLM, SamplingParams
+    from specmoe import SamplingParams
     # Validate the cheap things before spending seconds on loading.
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
                             stop=args.stop, ignore_eos=args.ignore_eos)
-    llm = LLM(args.model, speculative=speculative_from_args(args), dtype=args.dtype,
-              device=args.device, max_model_len=args.max_model_len)
+    llm = llm_from_args(args, speculative_from_args(args))
     prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat \
         else args.prompt
     out = llm.generate(prompt, params)[0]

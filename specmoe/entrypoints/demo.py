@@ -19,8 +19,8 @@ DEMO_CATEGORIES = ["summarization", "rag", "coding", "math_reasoning", "translat
 
 
 def run_demo(args) -> None:
-    from specmoe import LLM, SamplingParams
-    from specmoe.entrypoints.cli import speculative_from_args
+    from specmoe import SamplingParams
+    from specmoe.entrypoints.cli import llm_from_args, speculative_from_args
     console = Console()
     prompts = one_per_category("spec_bench", DEMO_CATEGORIES)[:args.num_prompts]
     spec = speculative_from_args(args)
@@ -29,8 +29,7 @@ def run_demo(args) -> None:
     with console.status(f"loading {args.model} ({args.dtype}) with {spec['method']} "
                         "speculation..."):
         t0 = time.perf_counter()
-        llm = LLM(args.model, speculative=spec, dtype=args.dtype, device=args.device,
-                  max_model_len=args.max_model_len)
+        llm = llm_from_args(args, spec)
     console.print(f"loaded in {time.perf_counter() - t0:.1f} s; {len(prompts)} Spec-Bench "
                   f"prompts, greedy, up to {args.max_tokens} tokens")
     rows = []
