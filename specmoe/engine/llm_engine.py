@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import itertools
 import random
 from collections.abc import Callable, Sequence
@@ -51,16 +53,30 @@ class LLM:
         loaded = load_model(self.config.model)
         self.target = ModelRunner(loaded)
         self.tokenizer = _try_tokenizer(loaded)
-        self.proposer = None if speculative is None else build_proposer(
-            speculative, self.target, self.tokenizer, self.config.model)
         eos = set(loaded.arch.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.processor = OutputProcessor(self.tokenizer, eos, loaded.max_model_len)
-        k = speculative.num_speculative_tokens if speculative else 0
-        self.generator = SequenceGenerator(self.target, self.proposer, self.processor, k)
+        self._attach_proposer(speculative)
         self._rng = random.Random(seed)
         self._ids = itertools.count()
+
+    def with_speculative(self, speculative: SpeculativeConfig | dict | None) -> "LLM":
+        """A second engine over the same loaded target and tokenizer with another proposer
+        (loads a draft model if asked): compare proposers without loading the target twice.
+        """
+        if isinstance(speculative, dict):
+            speculative = SpeculativeConfig(**speculative)
+        other = copy.copy(self)
+        other._attach_proposer(speculative)
+        return other
+
+    def _attach_proposer(self, speculative: SpeculativeConfig | None) -> None:
+        self.config = dataclasses.replace(self.config, speculative=speculative)
+        self.proposer = None if speculative is None else build_proposer(
+            speculative, self.target, self.tokenizer, self.config.model)
+        k = speculative.num_speculative_tokens if speculative else 0
+        self.generator = SequenceGenerator(self.target, self.proposer, self.processor, k)
 
     @property
     def max_model_len(self) -> int:

@@ -71,7 +71,50 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--num-prompts", type=int, default=5)
     demo.add_argument("--max-tokens", type=int, default=128)
     add_models_parser(sub)
+    add_bench_parser(sub)
     return parser
+
+
+def add_bench_parser(sub) -> None:
+    from specmoe.bench.spec import SpecBenchConfig
+    d = SpecBenchConfig()
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench",
+                                                                      required=True)
+    spec = bench.add_parser("spec", help="speculative decoding on real prompt sets")
+    spec.add_argument("--target", default=d.target)
+    spec.add_argument("--draft", default=d.draft)
+    spec.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
+    spec.add_argument("--draft-quantization", default=d.draft_quantization,
+                      choices=["int8", "int4", "none"])
+    spec.add_argument("--datasets", default=",".join(d.datasets))
+    spec.add_argument("--num-prompts", type=int, default=d.num_prompts,
+                      help="per data set (per category for Spec-Bench)")
+    spec.add_argument("--spec-bench-categories", default=",".join(d.spec_bench_categories))
+    spec.add_argument("--proposers", default=",".join(d.proposers))
+    spec.add_argument("--ks", default=",".join(map(str, d.ks)))
+    spec.add_argument("--temperatures", default=",".join(map(str, d.temperatures)))
+    spec.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    spec.add_argument("--peers", default="", help="comma list: transformers")
+    spec.add_argument("--out", default="out/bench_spec", help="report directory")
+
+
+def cmd_bench_spec(args) -> None:
+    from pathlib import Path
+
+    from specmoe.bench.report import write_report
+    from specmoe.bench.spec import SpecBenchConfig, run_spec_bench
+    split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
+    cfg = SpecBenchConfig(
+        target=args.target, draft=args.draft, dtype=args.dtype,
+        draft_quantization=None if args.draft_quantization == "none" else
+        args.draft_quantization, datasets=split(args.datasets), num_prompts=args.num_prompts,
+        spec_bench_categories=split(args.spec_bench_categories),
+        proposers=split(args.proposers), ks=[int(k) for k in split(args.ks)],
+        temperatures=[float(t) for t in split(args.temperatures)],
+        max_tokens=args.max_tokens, peers=split(args.peers))
+    results = run_spec_bench(cfg)
+    for path in write_report(results, Path(args.out)):
+        print(path)
 
 
 def add_models_parser(sub) -> None:
@@ -138,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             cmd_generate(args)
+        elif args.command == "bench":
+            cmd_bench_spec(args)
         elif args.command == "demo":
             from specmoe.entrypoints.demo import run_demo
             run_demo(args)

@@ -7,6 +7,10 @@ multiply with PyTorch's fused CPU kernels `aten._weight_int8pack_mm` and
 `aten._weight_int4pack_mm_for_cpu`. Each has a plain-torch reference that dequantises and
 calls `F.linear`; other devices use the reference.
 
+The kernels are fast for bfloat16 activations only (float32 ones take a path ~25-50x slower),
+so activations are rounded to bfloat16 for the matmul and the result is cast back; the
+references round the same way.
+
 Their cost grows with the number of input rows, unlike bf16 `F.linear` whose cost stays
 almost flat up to ~8 rows, so they suit the draft model (one token per forward) more than a
 target that verifies K + 1 tokens at once.
@@ -22,13 +26,14 @@ from specmoe.config import QUANTIZATION_METHODS
 
 INT4_GROUP_SIZE = 32
 _INT4_N_ALIGN = 64  # the CPU int4 kernel works on tiles of output channels
+KERNEL_DTYPE = torch.bfloat16
 
 
 class Int8Linear(nn.Module):
     """y = x @ (q * s[:, None])^T + b with q int8 [out, in] and s [out].
 
-    Built with `from_weight(weight [out, in], bias [out] | None)`; scales take the weight's
-    dtype. Rounding error per weight is at most s / 2 = max|w_row| / 254.
+    Built with `from_weight(weight [out, in], bias [out] | None)`; scales are kept in
+    bfloat16. Rounding error per weight is at most s / 2 = max|w_row| / 254.
     """
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor,
@@ -42,21 +47,23 @@ class Int8Linear(nn.Module):
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> "Int8Linear":
         w = weight.float()
         scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [out]
+        scales = scales.to(KERNEL_DTYPE).float()  # round first, so q is exact for them
         q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-        return cls(q, scales.to(weight.dtype), bias)
+        return cls(q, scales.to(KERNEL_DTYPE), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out] in x's dtype."""
         if x.device.type != "cpu":
             return self.forward_reference(x)
-        y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight,
-                                               self.scales.to(x.dtype))
+        y = torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE).contiguous(), self.qweight,
+                                               self.scales).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
-        """Plain torch: dequantise, then F.linear."""
-        w = self.qweight.to(x.dtype) * self.scales.to(x.dtype)[:, None]
-        return F.linear(x, w, self.bias)
+        """Plain torch: dequantise, then F.linear in float32 on bf16-rounded activations."""
+        w = self.qweight.float() * self.scales.float()[:, None]
+        y = F.linear(x.to(KERNEL_DTYPE).float(), w).to(x.dtype)
+        return y if self.bias is None else y + self.bias
 
 
 class Int4Linear(nn.Module):
@@ -91,7 +98,8 @@ class Int4Linear(nn.Module):
             return int4_linear_reference(x, self.packed, self.scales_and_zeros,
                                          self.group_size, self.bias)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.contiguous(), self.packed, self.group_size, self.scales_and_zeros.to(x.dtype))
+            x.to(KERNEL_DTYPE).contiguous(), self.packed, self.group_size,
+            self.scales_and_zeros).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 
@@ -100,7 +108,7 @@ def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE
     """Asymmetric min/max int4 quantisation per group of `group_size` inputs.
 
     Returns:
-        q [out, in] int32 in [0, 15], and scales_and_zeros [in / G, out, 2] in weight's dtype.
+        q [out, in] int32 in [0, 15], and scales_and_zeros [in / G, out, 2] bfloat16.
     Raises:
         ValueError: when the shape does not fit the CPU kernel's tiling (`can_int4`).
     """
@@ -110,10 +118,13 @@ def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE
     n, k = weight.shape
     w = weight.float().reshape(n, k // group_size, group_size)
     lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-    scale = ((hi - lo) / 15).clamp(min=1e-12)           # [out, groups, 1]
-    q = torch.round((w - lo) / scale).clamp(0, 15).to(torch.int32).reshape(n, k)
-    sz = torch.cat([scale, lo + 8 * scale], dim=-1)     # [out, groups, 2]
-    return q, sz.transpose(0, 1).contiguous().to(weight.dtype)
+    # Scale and zero are stored in bfloat16: round them first and quantise against the
+    # rounded values, so dequantisation reproduces q's grid exactly.
+    scale = ((hi - lo) / 15).clamp(min=1e-12).to(KERNEL_DTYPE).float()  # [out, groups, 1]
+    zero = (lo + 8 * scale).to(KERNEL_DTYPE).float()
+    q = torch.round((w - zero) / scale + 8).clamp(0, 15).to(torch.int32).reshape(n, k)
+    sz = torch.cat([scale, zero], dim=-1)               # [out, groups, 2]
+    return q, sz.transpose(0, 1).contiguous().to(KERNEL_DTYPE)
 
 
 def int4_dequantize(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
@@ -128,8 +139,11 @@ def int4_dequantize(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size:
 
 def int4_linear_reference(x: torch.Tensor, q: torch.Tensor, scales_and_zeros: torch.Tensor,
                           group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """Plain torch reference of Int4Linear: dequantise, then F.linear."""
-    return F.linear(x, int4_dequantize(q, scales_and_zeros, group_size, x.dtype), bias)
+    """Plain torch reference of Int4Linear: dequantise, then F.linear in float32 on
+    bf16-rounded activations."""
+    w = int4_dequantize(q, scales_and_zeros, group_size, torch.float32)
+    y = F.linear(x.to(KERNEL_DTYPE).float(), w).to(x.dtype)
+    return y if bias is None else y + bias
 
 
 def can_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> bool:

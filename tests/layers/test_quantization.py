@@ -35,7 +35,7 @@ def test_int8_fused_matches_reference(dtype, rows):
     w, b = _weight(128, 96, dtype), torch.randn(128).to(dtype)
     layer = Int8Linear.from_weight(w, b)
     x = torch.randn(rows, 96).to(dtype)
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    tol = 3e-2  # both round activations (and the kernel its output) to bfloat16
     torch.testing.assert_close(layer(x), layer.forward_reference(x), atol=tol, rtol=tol)
 
 
@@ -53,7 +53,7 @@ def test_int4_fused_matches_reference(dtype, rows):
     q, sz = quantize_int4(w, 32)
     layer = Int4Linear(q, sz, 32, b)
     x = torch.randn(rows, 64).to(dtype)
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    tol = 3e-2  # both round activations (and the kernel its output) to bfloat16
     torch.testing.assert_close(layer(x), int4_linear_reference(x, q, sz, 32, b),
                                atol=tol, rtol=tol)
 
@@ -62,8 +62,11 @@ def test_int4_rounding_error_within_half_a_step():
     w = _weight(64, 128)
     q, sz = quantize_int4(w, 32)
     assert q.min() >= 0 and q.max() <= 15
-    step = sz[..., 0].t().repeat_interleave(32, dim=1)  # [out, in]
-    assert ((int4_dequantize(q, sz, 32, torch.float32) - w).abs() <= step / 2 + 1e-6).all()
+    step = sz[..., 0].float().t().repeat_interleave(32, dim=1)  # [out, in]
+    zero = sz[..., 1].float().t().repeat_interleave(32, dim=1)
+    # Half a step, plus what rounding the stored zero to bfloat16 can shift the grid by.
+    bound = step / 2 + zero.abs() * 2.0 ** -8 + 1e-7
+    assert ((int4_dequantize(q, sz, 32, torch.float32) - w).abs() <= bound).all()
 
 
 def test_int4_rejects_untileable_shapes_and_quantize_linear_falls_back():

@@ -1,0 +1,119 @@
+"""Writing `specmoe bench spec` results: JSON, a Markdown report and PNG plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def write_report(results: dict, out_dir: Path) -> list[Path]:
+    """results.json, report.md, speedup_vs_k.png, acceptance_length_vs_k.png in out_dir."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "results.json", out_dir / "report.md"]
+    paths[0].write_text(json.dumps(results, indent=1))
+    paths[1].write_text(markdown(results))
+    paths += plot(results["rows"], out_dir)
+    return paths
+
+
+def markdown(results: dict) -> str:
+    cfg, rf = results["config"], results["roofline"]
+    lines = [f"# Speculative decoding: {cfg['target']} with draft {cfg['draft']} "
+             f"({cfg['draft_quantization'] or cfg['dtype']}) and n-gram",
+             "", f"{cfg['dtype']}, {cfg['max_tokens']} tokens per prompt (EOS ignored), "
+             f"{cfg['num_prompts']} prompts per data set (Spec-Bench: per category); "
+             f"total {results['total_seconds'] / 60:.1f} min.", "",
+             "## Best K per data set (greedy)", "", *best_table(results["rows"]), "",
+             "## Roofline of plain decoding", "",
+             f"read bandwidth {rf['read_bandwidth_gb_s']:.1f} GB/s, weights read per token "
+             f"{rf['weight_bytes_per_token'] / 1e9:.2f} GB -> ceiling "
+             f"{rf['roofline_tokens_per_s']:.2f} tok/s; plain decode "
+             f"{rf['plain_decode_tokens_per_s']:.2f} tok/s = "
+             f"{100 * rf['fraction_of_roofline']:.0f}% of it.", ""]
+    if "peers" in results:
+        lines += ["## Peers (same weights, same prompts, greedy)", "", *peer_table(results["peers"]), ""]
+    lines += ["## Every configuration", "", *full_table(results["rows"])]
+    return "\n".join(lines) + "\n"
+
+
+def best_table(rows: list[dict]) -> list[str]:
+    out = ["| data set | proposer | best K | speedup | acceptance length | acceptance rate |"
+           " greedy mismatches |", "|---|---|---|---|---|---|---|"]
+    for (group, proposer), cands in _by(rows, temperature=0.0).items():
+        best = max(cands, key=lambda r: r["speedup"])
+        out.append(f"| {group} | {proposer} | {best['k']} | {best['speedup']:.2f}x | "
+                   f"{best['mean_acceptance_length']:.2f} | {best['acceptance_rate']:.2f} | "
+                   f"{best.get('greedy_mismatches', 0)}/{best['num_runs']} |")
+    return out
+
+
+def full_table(rows: list[dict]) -> list[str]:
+    out = ["| data set | proposer | K | T | tok/s | speedup | AL | AR | per position | "
+           "mismatches |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        pos = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
+        mism = r.get("greedy_mismatches", "")
+        out.append(f"| {r['group']} | {r['proposer']} | {r['k']} | {r['temperature']} | "
+                   f"{r['tokens_per_s']:.2f} | {r['speedup']:.2f}x | "
+                   f"{r['mean_acceptance_length']:.2f} | {r['acceptance_rate']:.2f} | {pos} | "
+                   f"{mism} |")
+    return out
+
+
+def peer_table(peers: dict) -> list[str]:
+    out = [f"Prompts: {peers['group']}; tokens/s per prompt (median).", "",
+           "| mode | tok/s |", "|---|---|"]
+    import statistics
+    for mode, tps in peers["tokens_per_s"].items():
+        out.append(f"| {mode} | {statistics.median(tps):.2f} |")
+    out += ["", "| ratio (median of per-prompt ratios) | value |", "|---|---|"]
+    out += [f"| {name} | {v:.2f}x |" for name, v in peers["ratios"].items()]
+    return out
+
+
+def _by(rows: list[dict], temperature: float | None = None) -> dict[tuple, list[dict]]:
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["proposer"] == "none" or (temperature is not None
+                                       and r["temperature"] != temperature):
+            continue
+        groups.setdefault((r["group"], r["proposer"]), []).append(r)
+    return groups
+
+
+def plot(rows: list[dict], out_dir: Path) -> list[Path]:
+    """Speedup and acceptance length against K, one panel per data set, one line per
+    proposer and temperature."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    groups = sorted({r["group"] for r in rows})
+    paths = []
+    for metric, label in (("speedup", "speedup over plain decoding"),
+                          ("mean_acceptance_length", "mean acceptance length")):
+        cols = min(4, len(groups))
+        nrows = -(-len(groups) // cols)
+        fig, axes = plt.subplots(nrows, cols, figsize=(4 * cols, 3.2 * nrows), squeeze=False)
+        for ax, group in zip(axes.flat, groups):
+            for (g, proposer), _ in _by(rows).items():
+                if g != group:
+                    continue
+                for temp in sorted({r["temperature"] for r in rows}):
+                    pts = sorted((r["k"], r[metric]) for r in rows if r["group"] == group
+                                 and r["proposer"] == proposer and r["temperature"] == temp)
+                    if pts:
+                        ax.plot(*zip(*pts), marker="o", label=f"{proposer} T={temp}")
+            if metric == "speedup":
+                ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+            ax.set_title(group, fontsize=9)
+            ax.set_xlabel("K")
+            ax.set_ylabel(label, fontsize=8)
+        for ax in list(axes.flat)[len(groups):]:
+            ax.axis("off")
+        axes.flat[0].legend(fontsize=7)
+        fig.tight_layout()
+        path = out_dir / f"{'speedup' if metric == 'speedup' else 'acceptance_length'}_vs_k.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
