@@ -1,0 +1,98 @@
+"""`specmoe bench spec` bookkeeping on hand-made runs: aggregation, speedups against the
+same-run plain baseline, acceptance statistics, the report and its plots."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specmoe.bench.report import best_table, write_report
+from specmoe.bench.roofline import weight_bytes_per_token
+from specmoe.bench.spec import aggregate
+from specmoe.bench.spec_peers import best_greedy_k
+
+
+def _run(group, proposer, k, temp, tokens, seconds, drafts=0, drafted=0, accepted=0,
+         per_pos=(), match=True):
+    r = {"group": group, "proposer": proposer, "k": k, "temperature": temp,
+         "num_tokens": tokens, "seconds": seconds, "decode_seconds": seconds,
+         "num_drafts": drafts, "num_draft_tokens": drafted, "num_accepted": accepted,
+         "accepted_per_position": list(per_pos), "draft_seconds": 0.0,
+         "verify_seconds": 0.0, "token_ids": [1] * tokens}
+    if proposer != "none" and temp == 0:
+        r["matches_plain"] = match
+    return r
+
+
+@pytest.fixture
+def runs():
+    return [
+        _run("humaneval", "none", 0, 0.0, 64, 8.0),
+        _run("humaneval", "draft", 2, 0.0, 64, 4.0, drafts=20, drafted=40, accepted=30,
+             per_pos=(18, 12)),
+        _run("humaneval", "draft", 4, 0.0, 64, 2.0, drafts=16, drafted=64, accepted=48,
+             per_pos=(15, 13, 11, 9), match=False),
+        _run("gsm8k", "none", 0, 0.0, 64, 16.0),
+        _run("gsm8k", "draft", 2, 0.0, 64, 16.0, drafts=30, drafted=60, accepted=6,
+             per_pos=(5, 1)),
+        _run("gsm8k", "draft", 4, 0.0, 64, 32.0, drafts=30, drafted=120, accepted=6,
+             per_pos=(4, 1, 1, 0)),
+    ]
+
+
+def _row(rows, group, k):
+    return next(r for r in rows if r["group"] == group and r["k"] == k
+                and r["proposer"] == "draft")
+
+
+def test_aggregate_speedups_and_acceptance(runs):
+    rows = aggregate(runs)
+    he = _row(rows, "humaneval", 4)
+    assert he["tokens_per_s"] == pytest.approx(32.0)
+    assert he["speedup"] == pytest.approx(4.0)          # 32 tok/s vs plain 8 tok/s
+    assert he["acceptance_rate"] == pytest.approx(48 / 64)
+    assert he["mean_acceptance_length"] == pytest.approx(1 + 48 / 16)
+    assert he["acceptance_per_position"] == pytest.approx([15 / 16, 13 / 16, 11 / 16, 9 / 16])
+    assert he["greedy_mismatches"] == 1
+    assert _row(rows, "gsm8k", 4)["speedup"] == pytest.approx(0.5)
+    # "all" pools tokens and seconds: plain 128 tok / 24 s, draft K=2 128 tok / 20 s.
+    assert _row(rows, "all", 2)["speedup"] == pytest.approx((128 / 20) / (128 / 24))
+
+
+def test_best_k_and_report(runs, tmp_path):
+    rows = aggregate(runs)
+    assert best_greedy_k(rows) == 2  # pooled: K=2 1.2x beats K=4 (128 tok / 34 s) 0.94x
+    table = "\n".join(best_table(rows))
+    assert "| humaneval | draft | 4 | 4.00x |" in table
+    assert "| gsm8k | draft | 2 | 1.00x |" in table
+    results = {"config": {"target": "t", "draft": "d", "draft_quantization": "int4",
+                          "dtype": "bfloat16", "max_tokens": 64, "num_prompts": 1},
+               "total_seconds": 60.0, "rows": rows, "runs": runs,
+               "roofline": {"read_bandwidth_gb_s": 25.0, "weight_bytes_per_token": 2.5e9,
+                            "roofline_tokens_per_s": 10.0, "plain_decode_tokens_per_s": 8.5,
+                            "fraction_of_roofline": 0.85}}
+    paths = write_report(results, tmp_path / "report")
+    names = sorted(p.name for p in paths)
+    assert names == ["acceptance_length_vs_k.png", "report.md", "results.json",
+                     "speedup_vs_k.png"]
+    assert all(p.stat().st_size > 0 for p in paths)
+    assert "85% of it" in (tmp_path / "report" / "report.md").read_text()
+    assert json.loads((tmp_path / "report" / "results.json").read_text())["rows"]
+
+
+def test_weight_bytes_skip_embedding_but_count_tied_head():
+    import torch
+    from specmoe.config import ArchConfig
+    from specmoe.models.decoder import DecoderModel
+    kw = dict(architecture="LlamaForCausalLM", vocab_size=100, hidden_size=8,
+              intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+              num_key_value_heads=1, head_dim=4, rms_norm_eps=1e-6, rope_theta=1e4,
+              max_position_embeddings=32)
+    untied = DecoderModel(ArchConfig(**kw), 32)
+    tied = DecoderModel(ArchConfig(**kw, tie_word_embeddings=True), 32)
+    embed = 100 * 8 * 4
+    total = sum(p.numel() * 4 for p in untied.parameters())
+    assert weight_bytes_per_token(untied) == total - embed
+    assert weight_bytes_per_token(tied) == total - embed  # head reads the shared table
+    assert torch.is_tensor(tied.lm_head.proj.weight)
