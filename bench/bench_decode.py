@@ -19,7 +19,7 @@ import time
 import torch
 
 from specmoe import LLM, SamplingParams
-from specmoe.bench.peers import load_transformers_model
+from specmoe.bench.peers import hf_generate, load_transformers_model
 from specmoe.utils.data import load_prompts
 
 MODES = ("ours_plain", "ours_ngram", "transformers")
@@ -31,15 +31,6 @@ def run_ours(llm: LLM, ids: list[int], k: int, max_tokens: int) -> tuple[list[in
     t = time.perf_counter()
     out = llm.generate([ids], sp)[0]
     return out.token_ids, time.perf_counter() - t
-
-
-@torch.inference_mode()
-def run_hf(hf, ids: list[int], max_tokens: int) -> tuple[list[int], float]:
-    x = torch.tensor([ids])
-    t = time.perf_counter()
-    y = hf.generate(x, do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                    attention_mask=torch.ones_like(x))
-    return y[0, len(ids):].tolist(), time.perf_counter() - t
 
 
 def bench_dtype(args, dtype: str, prompts: list[str]) -> dict:
@@ -54,7 +45,7 @@ def bench_dtype(args, dtype: str, prompts: list[str]) -> dict:
         for ids in encoded:
             plain, t_plain = run_ours(llm, ids, 0, args.max_tokens)
             spec, t_spec = run_ours(llm, ids, args.k, args.max_tokens)
-            ref, t_hf = run_hf(hf, ids, args.max_tokens)
+            ref, t_hf = hf_generate(hf, ids, args.max_tokens)
             mismatches += plain != spec
             for m, toks, t in zip(MODES, (plain, spec, ref), (t_plain, t_spec, t_hf)):
                 totals[m][0] += len(toks)

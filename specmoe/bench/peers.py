@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from specmoe.loader.aliases import resolve_model_path
@@ -35,3 +37,15 @@ def load_transformers_model(model: str, dtype: torch.dtype):
     if config.tie_word_embeddings:
         hf.tie_weights()
     return hf.eval()
+
+
+@torch.inference_mode()
+def hf_generate(model, ids: list[int], max_tokens: int, **kwargs) -> tuple[list[int], float]:
+    """Greedy transformers `generate` of exactly `max_tokens` tokens (EOS suppressed until
+    then). Returns (new token ids, wall seconds). kwargs go to `generate` (for example
+    `assistant_model=` or `prompt_lookup_num_tokens=`)."""
+    x = torch.tensor([ids])
+    t = time.perf_counter()
+    y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                       max_new_tokens=max_tokens, min_new_tokens=max_tokens, **kwargs)
+    return y[0, len(ids):].tolist(), time.perf_counter() - t

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from specmoe.bench.peers import load_transformers_model
+from specmoe.bench.peers import hf_generate, load_transformers_model
 from specmoe.sampling_params import SamplingParams
 
 PEERS = ("transformers",)
@@ -29,13 +29,9 @@ def _ours(engine, ids: list[int], k: int, max_tokens: int) -> float:
     return len(out.token_ids) / (time.perf_counter() - t)
 
 
-@torch.inference_mode()
 def _hf(model, ids: list[int], max_tokens: int, **kwargs) -> float:
-    x = torch.tensor([ids])
-    t = time.perf_counter()
-    y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                       max_new_tokens=max_tokens, min_new_tokens=max_tokens, **kwargs)
-    return (y.shape[1] - len(ids)) / (time.perf_counter() - t)
+    tokens, seconds = hf_generate(model, ids, max_tokens, **kwargs)
+    return len(tokens) / seconds
 
 
 def run_peers(cfg, engines: dict, prompts, rows: list[dict]) -> dict:
