@@ -32,7 +32,7 @@ class SpecBenchConfig:
     draft_quantization: str | None = "int4"
     datasets: list[str] = field(default_factory=lambda: ["humaneval", "mt_bench", "gsm8k",
                                                          "spec_bench"])
-    num_prompts: int = 2
+    num_prompts: int = 1
     spec_bench_categories: list[str] = field(default_factory=lambda: list(
         SPEC_BENCH_CATEGORIES))
     proposers: list[str] = field(default_factory=lambda: ["draft", "ngram"])
