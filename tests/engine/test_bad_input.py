@@ -15,14 +15,6 @@ MAX_MODEL_LEN = 16
 TINY_VOCAB_SIZE = 512  # SmolLM2 has 49152
 
 
-def _smollm2_or_skip() -> None:
-    from specmoe.loader.aliases import ALIASES
-    try:
-        ALIASES["smollm2-135m"].path()
-    except FileNotFoundError as exc:
-        pytest.skip(f"SmolLM2-135M GGUF not installed: {exc}")
-
-
 @pytest.fixture(scope="module")
 def tiny_llama_dir(tmp_path_factory):
     """A random 1-layer Llama with vocab_size 512 and no tokenizer files."""
@@ -45,8 +37,7 @@ def tiny_llm(tiny_llama_dir) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def small_llm() -> LLM:
-    _smollm2_or_skip()
+def small_llm(smollm2) -> LLM:
     return LLM("smollm2-135m", dtype="float32", max_model_len=MAX_MODEL_LEN)
 
 
@@ -138,8 +129,7 @@ def test_unknown_draft_model_raises_file_not_found(tiny_llama_dir):
                          "num_speculative_tokens": 2})
 
 
-def test_draft_model_with_another_vocabulary_is_rejected(tiny_llama_dir):
-    _smollm2_or_skip()
+def test_draft_model_with_another_vocabulary_is_rejected(tiny_llama_dir, smollm2):
     with pytest.raises(ValueError, match="vocab") as info:
         LLM("smollm2-135m", dtype="float32",
             speculative={"method": "draft", "draft_model": str(tiny_llama_dir),

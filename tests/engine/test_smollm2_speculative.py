@@ -22,14 +22,6 @@ DRAFT_K = 3
 LOGPROB_TOL = 1e-4
 
 
-def _skip_without_model() -> None:
-    from specmoe.loader.aliases import ALIASES
-    try:
-        ALIASES["smollm2-135m"].path()
-    except FileNotFoundError as exc:
-        pytest.skip(f"SmolLM2-135M GGUF not installed: {exc}")
-
-
 @pytest.fixture(scope="module")
 def questions() -> list[str]:
     try:
@@ -43,22 +35,19 @@ def questions() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def plain_llm() -> LLM:
-    _skip_without_model()
+def plain_llm(smollm2) -> LLM:
     return LLM("smollm2-135m", dtype="float32")
 
 
 @pytest.fixture(scope="module")
-def ngram_llm() -> LLM:
-    _skip_without_model()
+def ngram_llm(smollm2) -> LLM:
     return LLM("smollm2-135m", dtype="float32",
                speculative={"method": "ngram", "num_speculative_tokens": NGRAM_K,
                             "prompt_lookup_min": 1, "prompt_lookup_max": 3})
 
 
 @pytest.fixture(scope="module")
-def draft_llm() -> LLM:
-    _skip_without_model()
+def draft_llm(smollm2) -> LLM:
     return LLM("smollm2-135m", dtype="float32",
                speculative={"method": "draft", "draft_model": "smollm2-135m",
                             "num_speculative_tokens": DRAFT_K})
