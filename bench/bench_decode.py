@@ -14,23 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 
-from specmoe import LLM, SamplingParams
-from specmoe.bench.peers import hf_generate, load_transformers_model
+from specmoe import LLM
+from specmoe.bench.peers import hf_generate, load_transformers_model, ours_generate
 from specmoe.utils.data import load_prompts
 
 MODES = ("ours_plain", "ours_ngram", "transformers")
-
-
-def run_ours(llm: LLM, ids: list[int], k: int, max_tokens: int) -> tuple[list[int], float]:
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
-                        num_speculative_tokens=k)
-    t = time.perf_counter()
-    out = llm.generate([ids], sp)[0]
-    return out.token_ids, time.perf_counter() - t
 
 
 def bench_dtype(args, dtype: str, prompts: list[str]) -> dict:
@@ -43,8 +34,8 @@ def bench_dtype(args, dtype: str, prompts: list[str]) -> dict:
     for rep in range(args.reps):
         totals = {m: [0, 0.0] for m in MODES}
         for ids in encoded:
-            plain, t_plain = run_ours(llm, ids, 0, args.max_tokens)
-            spec, t_spec = run_ours(llm, ids, args.k, args.max_tokens)
+            plain, t_plain = ours_generate(llm, ids, 0, args.max_tokens)
+            spec, t_spec = ours_generate(llm, ids, args.k, args.max_tokens)
             ref, t_hf = hf_generate(hf, ids, args.max_tokens)
             mismatches += plain != spec
             for m, toks, t in zip(MODES, (plain, spec, ref), (t_plain, t_spec, t_hf)):

@@ -39,6 +39,17 @@ def load_transformers_model(model: str, dtype: torch.dtype):
     return hf.eval()
 
 
+def ours_generate(engine, ids: list[int], k: int, max_tokens: int) -> tuple[list[int], float]:
+    """Greedy generation of exactly `max_tokens` tokens (EOS ignored) with our engine at K=k
+    (0: no speculation). Returns (token ids, wall seconds)."""
+    from specmoe.sampling_params import SamplingParams
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                        num_speculative_tokens=k)
+    t = time.perf_counter()
+    out = engine.generate([ids], sp)[0]
+    return out.token_ids, time.perf_counter() - t
+
+
 @torch.inference_mode()
 def hf_generate(model, ids: list[int], max_tokens: int, **kwargs) -> tuple[list[int], float]:
     """Greedy transformers `generate` of exactly `max_tokens` tokens (EOS suppressed until

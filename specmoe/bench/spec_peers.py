@@ -3,12 +3,9 @@ prompt-lookup generation on the same weights and prompts, interleaved with ours.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from specmoe.bench.peers import hf_generate, load_transformers_model
-from specmoe.sampling_params import SamplingParams
+from specmoe.bench.peers import hf_generate, load_transformers_model, ours_generate
 
 PEERS = ("transformers",)
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value
@@ -22,11 +19,8 @@ def best_greedy_k(rows: list[dict], proposer: str = "draft") -> int:
 
 
 def _ours(engine, ids: list[int], k: int, max_tokens: int) -> float:
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
-                        num_speculative_tokens=k)
-    t = time.perf_counter()
-    out = engine.generate([ids], sp)[0]
-    return len(out.token_ids) / (time.perf_counter() - t)
+    tokens, seconds = ours_generate(engine, ids, k, max_tokens)
+    return len(tokens) / seconds
 
 
 def _hf(model, ids: list[int], max_tokens: int, **kwargs) -> float:

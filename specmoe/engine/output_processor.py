@@ -73,7 +73,7 @@ class OutputProcessor:
         return True
 
     def _finalize_text(self, req: Request) -> None:
-        if req.stop_reason is None or not isinstance(req.stop_reason, str):
+        if not isinstance(req.stop_reason, str):  # a stop string already cut the text
             req.text = self.decode(req.output_token_ids)
 
     def decode(self, token_ids: list[int]) -> str:
