@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from specmoe.config import ArchConfig
-from specmoe.layers.attention import Attention, AttentionMetadata
+from specmoe.layers.attention import Attention
+from specmoe.layers.paged_attention import AttentionMetadata
 from specmoe.layers.embed_head import LMHead, VocabEmbedding
 from specmoe.layers.mlp import GatedMLP
 from specmoe.layers.moe.block import SparseMoEBlock

@@ -1,4 +1,4 @@
-"""KV cache tensors of one sequence (contiguous; the paged cache comes with batching)."""
+"""KV cache tensors: the paged cache of a batched engine, and a one-sequence cache on top."""
 
 from __future__ import annotations
 
@@ -7,8 +7,42 @@ import torch
 from specmoe.config import ArchConfig
 
 
+class PagedKVCache:
+    """Per layer a (key, value) pair of [num_blocks * block_size, num_kv_heads, head_dim]
+    tensors: flat views of `num_blocks` KV cache blocks of `block_size` positions each.
+
+    The block pool (engine/block_pool.py) decides which blocks a sequence owns; this class only
+    holds the memory. Zero-filled, so padded reads are finite.
+
+    Raises:
+        ValueError: `num_blocks` or `block_size` < 1.
+    """
+
+    def __init__(self, arch: ArchConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"invalid num_blocks={num_blocks} / block_size={block_size}: "
+                             "both must be >= 1")
+        shape = (num_blocks * block_size, arch.num_key_value_heads, arch.head_dim)
+        self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
+                        torch.zeros(shape, dtype=dtype, device=device))
+                       for _ in range(arch.num_hidden_layers)]
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+    @staticmethod
+    def bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes of keys and values one block takes over all layers."""
+        per_token = 2 * arch.num_key_value_heads * arch.head_dim * dtype.itemsize
+        return per_token * block_size * arch.num_hidden_layers
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self.layers)
+
+
 class SequenceKVCache:
-    """Per layer a (key, value) pair of [num_kv_heads, capacity, head_dim] tensors.
+    """The KV cache of one sequence: a private paged cache whose block table is every block.
 
     `num_computed` counts the leading positions whose keys/values are valid; rolling back
     rejected draft tokens only lowers it (their slots are overwritten by the next forward).
@@ -17,14 +51,19 @@ class SequenceKVCache:
         ValueError: when asked to grow past `capacity` tokens.
     """
 
+    BLOCK_SIZE = 16
+
     def __init__(self, arch: ArchConfig, capacity: int, dtype: torch.dtype,
                  device: torch.device) -> None:
-        shape = (arch.num_key_value_heads, capacity, arch.head_dim)
-        self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
-                        torch.zeros(shape, dtype=dtype, device=device))
-                       for _ in range(arch.num_hidden_layers)]
+        num_blocks = max(1, -(-capacity // self.BLOCK_SIZE))
+        self.paged = PagedKVCache(arch, num_blocks, self.BLOCK_SIZE, dtype, device)
+        self.block_ids = list(range(num_blocks))
         self.capacity = capacity
         self.num_computed = 0
+
+    @property
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.paged.layers
 
     def check_room(self, num_new: int) -> None:
         if self.num_computed + num_new > self.capacity:
@@ -37,4 +76,4 @@ class SequenceKVCache:
 
     @property
     def num_bytes(self) -> int:
-        return sum(k.numel() * k.element_size() * 2 for k, _ in self.layers)
+        return self.paged.num_bytes

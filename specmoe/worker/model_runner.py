@@ -1,16 +1,36 @@
-"""Running the model over the not-yet-computed tokens of one sequence."""
+"""Running a model over the new tokens of a batch of sequences through a paged KV cache."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from specmoe.layers.attention import AttentionMetadata
+from specmoe.layers.paged_attention import AttentionMetadata, SequenceSlice
 from specmoe.loader.model_loader import LoadedModel
-from specmoe.worker.kv_cache import SequenceKVCache
+from specmoe.worker.kv_cache import PagedKVCache, SequenceKVCache
+
+
+@dataclass(slots=True)
+class SequenceInput:
+    """One sequence of a batched forward.
+
+    Attributes:
+        token_ids: its new tokens, at positions [start_pos, start_pos + len(token_ids)).
+        start_pos: tokens already in its KV cache.
+        block_ids: its block table in the paged cache.
+        num_logits: logits wanted for its last `num_logits` new tokens (0: none, e.g. a prompt
+            chunk that does not reach the prompt's end).
+    """
+
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    num_logits: int
 
 
 class ModelRunner:
-    """Owns a loaded model; turns token lists into logits through a sequence's KV cache."""
+    """Owns a loaded model; turns batches of token lists into logits through a KV cache."""
 
     def __init__(self, loaded: LoadedModel) -> None:
         self.loaded = loaded
@@ -23,15 +43,48 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.arch.vocab_size
 
+    def new_paged_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+        """A paged KV cache of `num_blocks` blocks of `block_size` positions."""
+        return PagedKVCache(self.arch, num_blocks, block_size, self.loaded.dtype, self.device)
+
     def new_cache(self, capacity: int) -> SequenceKVCache:
         """A KV cache for one sequence of at most `capacity` tokens (<= max_model_len)."""
         return SequenceKVCache(self.arch, min(capacity, self.max_model_len),
                                self.loaded.dtype, self.device)
 
     @torch.inference_mode()
+    def execute(self, cache: PagedKVCache, seqs: list[SequenceInput]) -> torch.Tensor:
+        """One forward over the new tokens of every sequence, writing their keys/values.
+
+        Returns:
+            logits [sum of num_logits, vocab_size] float32, sequences in order.
+        Raises:
+            ValueError: no sequences, an empty sequence, num_logits larger than its tokens, or
+                a block table too short for its positions.
+        """
+        for i, s in enumerate(seqs):
+            if not 0 <= s.num_logits <= len(s.token_ids):
+                raise ValueError(f"sequence {i}: invalid num_logits={s.num_logits} for "
+                                 f"{len(s.token_ids)} tokens")
+        slices = [SequenceSlice(s.start_pos, len(s.token_ids), s.block_ids) for s in seqs]
+        meta = AttentionMetadata.build(slices, cache.block_size, self.device,
+                                       self.arch.sliding_window)
+        ids, positions, logit_rows = [], [], []
+        for s in seqs:
+            end = len(ids) + len(s.token_ids)
+            ids.extend(s.token_ids)
+            positions.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
+            logit_rows.extend(range(end - s.num_logits, end))
+        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device),
+                            torch.tensor(positions, dtype=torch.long, device=self.device),
+                            cache.layers, meta)  # [num_tokens, hidden_size]
+        if len(logit_rows) != len(ids):
+            hidden = hidden[torch.tensor(logit_rows, dtype=torch.long, device=self.device)]
+        return self.model.compute_logits(hidden)
+
     def forward(self, cache: SequenceKVCache, token_ids: list[int],
                 num_logits: int | None = None) -> torch.Tensor:
-        """Run `token_ids` at positions [cache.num_computed, +len) and advance the cache.
+        """Run one sequence's `token_ids` at positions [cache.num_computed, +len).
 
         Args:
             num_logits: return logits for only the last `num_logits` tokens (None: all).
@@ -40,14 +93,9 @@ class ModelRunner:
         Raises:
             ValueError: when the tokens do not fit in the cache.
         """
-        num_tokens = len(token_ids)
-        cache.check_room(num_tokens)
-        start = cache.num_computed
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        positions = torch.arange(start, start + num_tokens, device=self.device)
-        meta = AttentionMetadata.build(start, num_tokens, self.device, self.arch.sliding_window)
-        hidden = self.model(ids, positions, cache.layers, meta)  # [T, hidden_size]
-        cache.num_computed = start + num_tokens
-        if num_logits is not None:
-            hidden = hidden[-num_logits:]
-        return self.model.compute_logits(hidden)
+        cache.check_room(len(token_ids))
+        num_logits = len(token_ids) if num_logits is None else num_logits
+        seq = SequenceInput(list(token_ids), cache.num_computed, cache.block_ids, num_logits)
+        logits = self.execute(cache.paged, [seq])
+        cache.num_computed += len(token_ids)
+        return logits

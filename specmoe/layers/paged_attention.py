@@ -1,0 +1,263 @@
+"""Paged attention in plain torch: keys and values live in fixed-size KV cache blocks.
+
+The cache of one layer is a key and a value tensor of shape [num_blocks * block_size,
+num_kv_heads, head_dim] (a flat view of [num_blocks, block_size, ...]); token position p of a
+sequence lives in slot `block_ids[p // block_size] * block_size + p % block_size` of its block
+table. A batched forward concatenates the new tokens of every sequence ([num_tokens, ...]);
+sequence i computes positions [start_pos_i, start_pos_i + num_tokens_i) and attends over
+[0, start_pos_i + num_tokens_i) of its own blocks (causal, optionally a sliding window).
+
+Two kinds of sequence, split once per forward by `AttentionMetadata.build`:
+- few query tokens (decode, verification of K drafts: at most `MAX_DECODE_QUERY` tokens):
+  gathered into one padded batch [num_seqs, max_query, ...] attended by two batched matmuls;
+- many query tokens (a prefill chunk): one fused SDPA call per sequence.
+
+The same code serves one sequence alone, so batch size 1 is not a separate path. Source: the
+paged KV cache of Kwon et al., 2023, "Efficient Memory Management for Large Language Model
+Serving with PagedAttention", arXiv 2309.06180 (our own plain-torch implementation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Sequences with at most this many query tokens are attended in the padded decode batch.
+MAX_DECODE_QUERY = 16
+
+
+@dataclass(slots=True)
+class SequenceSlice:
+    """One sequence of a batched forward, as the caller schedules it.
+
+    Attributes:
+        start_pos: position of its first new token (= tokens already in its KV cache).
+        num_tokens: new tokens in this forward (>= 1).
+        block_ids: its block table; must cover positions [0, start_pos + num_tokens).
+    """
+
+    start_pos: int
+    num_tokens: int
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    """Sequences with few query tokens, attended as one padded batch of B sequences.
+
+    Attributes:
+        token_index: [num_rows] int64: row of the flattened batch for each valid query row.
+        padded_index: [num_rows] int64: its row b * max_query + t in the padded batch.
+        kv_index: [B, max_len] int64 cache slots of positions 0..max_len-1 (padding: slot 0).
+        mask: [B, max_query, max_len] bool, True = attend.
+        max_query: padded query length.
+    """
+
+    token_index: torch.Tensor
+    padded_index: torch.Tensor
+    kv_index: torch.Tensor
+    mask: torch.Tensor
+    max_query: int
+
+
+@dataclass(slots=True)
+class PrefillSequence:
+    """One sequence with many query tokens.
+
+    Attributes:
+        token_start: its first row in the flattened batch.
+        num_tokens: its query rows.
+        kv_index: [start_pos + num_tokens] int64 cache slots of its positions.
+        mask: [num_tokens, start_pos + num_tokens] bool, or None for a plain causal prefill
+            from position 0 (fused causal SDPA).
+    """
+
+    token_start: int
+    num_tokens: int
+    kv_index: torch.Tensor
+    mask: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Everything the attention layers of one forward share (built once per forward).
+
+    Attributes:
+        num_tokens: rows of the flattened batch.
+        slot_mapping: [num_tokens] int64 cache slot each new token's key/value is written to.
+        decode: the padded batch of few-query sequences, or None.
+        prefills: the many-query sequences.
+    """
+
+    num_tokens: int
+    slot_mapping: torch.Tensor
+    decode: DecodeGroup | None
+    prefills: list[PrefillSequence]
+
+    @classmethod
+    def build(cls, seqs: list[SequenceSlice], block_size: int, device: torch.device | str,
+              sliding_window: int | None = None) -> AttentionMetadata:
+        """Metadata for `seqs`, whose new tokens are concatenated in this order.
+
+        Raises:
+            ValueError: no sequences, a sequence with no tokens, or a block table too short
+                for its positions.
+        """
+        if not seqs:
+            raise ValueError("a forward needs at least one sequence")
+        for i, s in enumerate(seqs):
+            if s.num_tokens < 1 or s.start_pos < 0:
+                raise ValueError(f"sequence {i}: invalid num_tokens={s.num_tokens} / "
+                                 f"start_pos={s.start_pos}")
+            if len(s.block_ids) * block_size < s.start_pos + s.num_tokens:
+                raise ValueError(f"sequence {i}: {len(s.block_ids)} blocks of {block_size} "
+                                 f"cannot hold {s.start_pos + s.num_tokens} positions")
+        starts = torch.tensor([s.start_pos for s in seqs], dtype=torch.int64)  # [B]
+        counts = torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64)  # [B]
+        tables = _block_tables(seqs)  # [B, max_blocks]
+        slot_mapping = _slot_mapping(starts, counts, tables, block_size)
+        token_starts = torch.cumsum(counts, 0) - counts  # [B]
+        small = [i for i, s in enumerate(seqs) if s.num_tokens <= MAX_DECODE_QUERY]
+        large = [i for i, s in enumerate(seqs) if s.num_tokens > MAX_DECODE_QUERY]
+        decode = None
+        if small:
+            decode = _decode_group(torch.tensor(small), starts, counts, token_starts, tables,
+                                   block_size, sliding_window, device)
+        prefills = [_prefill_sequence(seqs[i], int(token_starts[i]), tables[i], block_size,
+                                      sliding_window, device) for i in large]
+        return cls(int(counts.sum()), slot_mapping.to(device), decode, prefills)
+
+
+def _block_tables(seqs: list[SequenceSlice]) -> torch.Tensor:
+    """[B, max_blocks] int64 block tables, padded with block 0."""
+    width = max(len(s.block_ids) for s in seqs)
+    return torch.tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in seqs],
+                        dtype=torch.int64)
+
+
+def _slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slots of `positions` ([B, n] int64) through `tables` ([B, max_blocks])."""
+    blocks = tables.gather(1, positions // block_size)
+    return blocks * block_size + positions % block_size
+
+
+def _slot_mapping(starts: torch.Tensor, counts: torch.Tensor, tables: torch.Tensor,
+                  block_size: int) -> torch.Tensor:
+    """[num_tokens] slots of every new token, sequences concatenated."""
+    seq_of_token = torch.repeat_interleave(torch.arange(len(counts)), counts)  # [T]
+    first_row = torch.cumsum(counts, 0) - counts
+    positions = starts[seq_of_token] + torch.arange(int(counts.sum())) - first_row[seq_of_token]
+    blocks = tables[seq_of_token, positions // block_size]
+    return blocks * block_size + positions % block_size
+
+
+def _causal_mask(q_pos: torch.Tensor, num_keys: int, sliding_window: int | None
+                 ) -> torch.Tensor:
+    """[..., num_keys] bool: key position <= query position (and within the window)."""
+    k_pos = torch.arange(num_keys)
+    mask = k_pos <= q_pos[..., None]
+    if sliding_window is not None:
+        mask &= k_pos > q_pos[..., None] - sliding_window
+    return mask
+
+
+def _decode_group(index: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
+                  token_starts: torch.Tensor, tables: torch.Tensor, block_size: int,
+                  sliding_window: int | None, device) -> DecodeGroup:
+    starts, counts, token_starts = starts[index], counts[index], token_starts[index]
+    max_query = int(counts.max())
+    max_len = int((starts + counts).max())
+    t = torch.arange(max_query)
+    is_valid = t < counts[:, None]  # [B, max_query]
+    token_index = (token_starts[:, None] + t)[is_valid]
+    padded_index = (torch.arange(len(index))[:, None] * max_query + t)[is_valid]
+    positions = torch.arange(max_len).expand(len(index), max_len)  # [B, max_len]
+    # Padded positions past a table's end read block 0; the mask never attends them.
+    kv_index = _slots(tables[index], positions.clamp(max=tables.shape[1] * block_size - 1),
+                      block_size)
+    mask = _causal_mask(starts[:, None] + t, max_len, sliding_window)  # [B, max_query, L]
+    return DecodeGroup(token_index.to(device), padded_index.to(device), kv_index.to(device),
+                       mask.to(device), max_query)
+
+
+def _prefill_sequence(seq: SequenceSlice, token_start: int, table: torch.Tensor,
+                      block_size: int, sliding_window: int | None, device) -> PrefillSequence:
+    total = seq.start_pos + seq.num_tokens
+    kv_index = _slots(table[None], torch.arange(total)[None], block_size)[0]
+    mask = None
+    if seq.start_pos > 0 or (sliding_window is not None and total > sliding_window):
+        mask = _causal_mask(torch.arange(seq.start_pos, total), total, sliding_window).to(device)
+    return PrefillSequence(token_start, seq.num_tokens, kv_index.to(device), mask)
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                   meta: AttentionMetadata) -> None:
+    """Store the new keys/values k, v ([num_tokens, num_kv_heads, head_dim]) at their slots."""
+    k_cache, v_cache = kv_cache
+    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention of every new token over its sequence's cached keys/values.
+
+    Args:
+        q: [num_tokens, num_heads, head_dim] queries (RoPE applied).
+        kv_cache: (key, value) caches [num_slots, num_kv_heads, head_dim], already holding the
+            new tokens (see `write_kv_cache`).
+        meta: this forward's metadata.
+        scale: softmax scale, usually head_dim ** -0.5.
+
+    Returns:
+        [num_tokens, num_heads * head_dim], in q's dtype. Query head h reads key/value head
+        h // (num_heads // num_kv_heads) (grouped-query attention).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    out = q.new_empty(num_tokens, num_heads * head_dim)
+    if meta.decode is not None:
+        out[meta.decode.token_index] = _attend_decode(q, kv_cache, meta.decode, scale)
+    for seq in meta.prefills:
+        rows = slice(seq.token_start, seq.token_start + seq.num_tokens)
+        out[rows] = _attend_prefill(q[rows], kv_cache, seq, scale)
+    return out
+
+
+def _attend_decode(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                   group: DecodeGroup, scale: float) -> torch.Tensor:
+    """[num_rows, q_size]: the padded batch's valid rows (order of group.token_index)."""
+    k_cache, v_cache = kv_cache
+    _, num_heads, head_dim = q.shape
+    batch, max_len = group.kv_index.shape
+    num_kv_heads, t = k_cache.shape[1], group.max_query
+    g = num_heads // num_kv_heads
+    q_pad = q.new_zeros(batch * t, num_heads, head_dim)
+    q_pad[group.padded_index] = q[group.token_index]
+    # Query head h = kv_head * g + j; rows of qh are ordered (j, t).
+    qh = q_pad.view(batch, t, num_kv_heads, g, head_dim).permute(0, 2, 3, 1, 4)
+    qh = qh.reshape(batch, num_kv_heads, g * t, head_dim)
+    k = k_cache[group.kv_index].transpose(1, 2)  # [B, kv_heads, L, hd]
+    v = v_cache[group.kv_index].transpose(1, 2)
+    scores = torch.matmul(qh, k.transpose(2, 3)).float() * scale  # [B, kv_heads, g*t, L]
+    mask = group.mask[:, None, None].expand(batch, 1, g, t, max_len).reshape(
+        batch, 1, g * t, max_len)
+    probs = scores.masked_fill_(~mask, float("-inf")).softmax(dim=-1).to(v.dtype)
+    out = torch.matmul(probs, v)  # [B, kv_heads, g * t, hd]
+    out = out.view(batch, num_kv_heads, g, t, head_dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(batch * t, num_heads * head_dim)[group.padded_index]
+
+
+def _attend_prefill(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                    seq: PrefillSequence, scale: float) -> torch.Tensor:
+    """[num_tokens, q_size] by fused SDPA over the sequence's gathered keys/values."""
+    k_cache, v_cache = kv_cache
+    num_tokens, num_heads, head_dim = q.shape
+    k = k_cache.index_select(0, seq.kv_index).transpose(0, 1)  # [kv_heads, L, hd]
+    v = v_cache.index_select(0, seq.kv_index).transpose(0, 1)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),  # [1, h, T|L, hd]
+        attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale,
+        enable_gqa=num_heads != k.shape[0])
+    return out.squeeze(0).transpose(0, 1).reshape(num_tokens, num_heads * head_dim)
