@@ -151,6 +151,39 @@ class SpeculativeConfig:
         _check_quantization("draft_quantization", self.draft_quantization)
 
 
+@dataclass
+class SchedulerConfig:
+    """Continuous batching and KV cache settings.
+
+    Attributes:
+        max_num_seqs: cap on running requests (the batch size of a decode step).
+        max_num_batched_tokens: token budget of one step (prompt chunks, last tokens and draft
+            tokens together); a longer prompt is prefilled in chunks (chunked prefill).
+        block_size: token positions per KV cache block.
+        num_kv_blocks: KV cache blocks of the target model; None sizes the cache from
+            `kv_cache_memory_bytes` (capped at what max_num_seqs full-length requests need).
+        kv_cache_memory_bytes: memory for the target's KV cache when num_kv_blocks is None.
+        enable_prefix_caching: requests sharing a prompt prefix reuse its full KV blocks.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "kv_cache_memory_bytes"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"invalid {name}={getattr(self, name)!r}: must be an int >= 1")
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int)
+                                               or self.num_kv_blocks < 1):
+            raise ValueError(f"invalid num_kv_blocks={self.num_kv_blocks!r}: must be None or "
+                             "an int >= 1")
+
+
 def _check_quantization(name: str, value: str | None) -> None:
     if value is not None and value not in QUANTIZATION_METHODS:
         raise ValueError(f"invalid {name}={value!r}: must be None or one of "
@@ -164,3 +197,4 @@ class EngineConfig:
     model: ModelConfig
     speculative: SpeculativeConfig | None = None
     seed: int = 0
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

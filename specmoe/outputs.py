@@ -105,11 +105,19 @@ class TokenLogprob:
 
 @dataclass
 class RequestMetrics:
-    """Timings of one request, in seconds."""
+    """Timings of one request, in seconds.
+
+    Attributes:
+        prefill_time_s, first_token_time_s: from arrival to its first token (time to first
+            token, queueing included).
+        decode_time_s: from its first token to its finish.
+        arrival_time: `time.perf_counter()` when the engine received it.
+    """
 
     prefill_time_s: float = 0.0
     decode_time_s: float = 0.0
     first_token_time_s: float = 0.0
+    arrival_time: float = 0.0
 
     def decode_tokens_per_s(self, num_tokens: int) -> float:
         """Tokens after the first per second of decode time."""
@@ -127,7 +135,7 @@ class RequestOutput:
         text: the generated text (special tokens skipped, cut before a stop string).
         token_ids: generated token ids (an EOS or stop token that ended it is included).
         logprobs: per emitted token, when requested.
-        finish_reason: "stop" (EOS, stop token or stop string) or "length".
+        finish_reason: "stop" (EOS, stop token or stop string), "length" or "abort".
         stop_reason: the stop string or stop token id that ended it, if any.
         spec_stats: speculative-decoding statistics of this request.
         metrics: timings.

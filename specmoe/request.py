@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from specmoe.outputs import RequestMetrics, SpecDecodeStats, TokenLogprob
 from specmoe.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in the scheduler."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
 
 
 @dataclass
@@ -17,8 +27,13 @@ class Request:
         output_logprobs: one entry per emitted token when `params.logprobs` is set.
         text: generated text, set when the request finishes (or when stop strings are
             checked).
-        finish_reason: None while running, then "stop" or "length".
+        finish_reason: None while running, then "stop", "length" or "abort".
         stop_reason: the stop string or stop token id that ended it (None for EOS/length).
+        status: scheduling state.
+        num_computed_tokens: leading tokens of `all_token_ids` whose KV is in the cache.
+        spec_token_ids: draft tokens to verify in its next step (dropped on preemption).
+        num_speculative_tokens: its K (0: no speculation), resolved by the engine.
+        num_preemptions: times its KV cache was freed to make room for others.
     """
 
     request_id: str
@@ -32,6 +47,11 @@ class Request:
     stop_reason: str | int | None = None
     spec_stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_speculative_tokens: int = 0
+    num_preemptions: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -134,17 +134,20 @@ class KVCacheManager:
         """
         return [block.block_id for block in self._get_request(request_id).blocks]
 
-    def get_computed_blocks(self, request_id: str,
-                            token_ids: Sequence[int]) -> tuple[list[KVCacheBlock], int]:
+    def get_computed_blocks(self, request_id: str, token_ids: Sequence[int],
+                            record_stats: bool = True) -> tuple[list[KVCacheBlock], int]:
         """The longest prefix of `token_ids` whose full blocks are in the prefix cache.
 
         At least the last token is always left to compute (its logits are needed), so a
-        prompt of n tokens hits at most (n - 1) // block_size blocks. Records the lookup in the
-        prefix-cache statistics. Takes no reference: pass the blocks to `allocate_slots` next.
+        prompt of n tokens hits at most (n - 1) // block_size blocks. Takes no reference: pass
+        the blocks to `allocate_slots` next.
 
         Args:
             request_id: a request that holds no blocks yet (new, or preempted and freed).
             token_ids: the request's tokens (prompt, plus outputs when resuming).
+            record_stats: record the lookup in the prefix-cache statistics now; a caller that
+                may fail to admit the request passes False and calls `record_prefix_query`
+                once it is admitted.
 
         Returns:
             (hit blocks in position order, number of computed tokens = len(blocks) *
@@ -169,8 +172,13 @@ class KVCacheManager:
                 break
             hit_blocks.append(block)
         num_hit_tokens = len(hit_blocks) * self.block_size
-        self.block_pool.prefix_cache_stats.record(len(token_ids), num_hit_tokens)
+        if record_stats:
+            self.record_prefix_query(len(token_ids), num_hit_tokens)
         return hit_blocks, num_hit_tokens
+
+    def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admission's prefix-cache lookup in the hit-rate statistics."""
+        self.block_pool.prefix_cache_stats.record(num_query_tokens, num_hit_tokens)
 
     def allocate_slots(self, request_id: str, token_ids: Sequence[int], num_new_tokens: int,
                        num_lookahead_tokens: int = 0,

@@ -10,14 +10,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from specmoe.config import EngineConfig, ModelConfig, SpeculativeConfig
-from specmoe.engine.generation import SequenceGenerator
+from specmoe.config import EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from specmoe.engine.core import EngineCore
 from specmoe.engine.output_processor import OutputProcessor
 from specmoe.loader.model_loader import load_model
 from specmoe.outputs import RequestOutput
 from specmoe.request import Request
 from specmoe.sampling_params import SamplingParams
 from specmoe.spec_decode.factory import build_proposer
+from specmoe.worker.kv_cache import PagedKVCache
 from specmoe.worker.model_runner import ModelRunner
 
 PromptType = str | list[int]
@@ -36,6 +37,8 @@ class LLM:
         max_model_len: context limit in tokens (None: the model's).
         seed: seeds the per-request generators of requests without their own seed.
         quantization: None, "int8" or "int4" weight-only quantisation of the target.
+        scheduler: a SchedulerConfig or a dict of its fields (continuous batching limits and
+            the KV cache size), e.g. {"max_num_seqs": 16}.
 
     Raises:
         FileNotFoundError, ValueError: bad path, unsupported model, bad option, a draft
@@ -45,11 +48,15 @@ class LLM:
     def __init__(self, model: str, speculative: SpeculativeConfig | dict | None = None,
                  dtype: str = "float32", device: str | None = None,
                  max_model_len: int | None = None, seed: int = 0,
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None,
+                 scheduler: SchedulerConfig | dict | None = None) -> None:
         if isinstance(speculative, dict):
             speculative = SpeculativeConfig(**speculative)
+        if isinstance(scheduler, dict):
+            scheduler = SchedulerConfig(**scheduler)
         self.config = EngineConfig(
-            ModelConfig(model, dtype, device, max_model_len, quantization), speculative, seed)
+            ModelConfig(model, dtype, device, max_model_len, quantization), speculative, seed,
+            scheduler or SchedulerConfig())
         loaded = load_model(self.config.model)
         self.target = ModelRunner(loaded)
         self.tokenizer = _try_tokenizer(loaded)
@@ -73,10 +80,14 @@ class LLM:
 
     def _attach_proposer(self, speculative: SpeculativeConfig | None) -> None:
         self.config = dataclasses.replace(self.config, speculative=speculative)
+        sched = self.config.scheduler
+        num_blocks = _num_kv_blocks(sched, self.target)
         self.proposer = None if speculative is None else build_proposer(
-            speculative, self.target, self.tokenizer, self.config.model)
+            speculative, self.target, self.tokenizer, self.config.model, num_blocks,
+            sched.block_size)
         k = speculative.num_speculative_tokens if speculative else 0
-        self.generator = SequenceGenerator(self.target, self.proposer, self.processor, k)
+        self.engine = EngineCore(self.target, self.proposer, self.processor, sched,
+                                 num_blocks, k)
 
     @property
     def max_model_len(self) -> int:
@@ -99,13 +110,43 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params_list = self._params_list(sampling_params, len(prompt_list))
         requests = [self._make_request(p, sp) for p, sp in zip(prompt_list, params_list)]
-        outputs = []
         for req in requests:
-            self.generator.run(req, self._generator_for(req.params))
-            outputs.append(_to_output(req))
-            if on_finish is not None:
-                on_finish(outputs[-1])
-        return outputs
+            self.add_request(req)
+        outputs: dict[str, RequestOutput] = {}
+        try:
+            while self.engine.has_unfinished_requests:
+                for req in self.engine.step():
+                    outputs[req.request_id] = _to_output(req)
+                    if on_finish is not None:
+                        on_finish(outputs[req.request_id])
+        finally:  # an error or interrupt must not leave requests holding KV cache blocks
+            for req in requests:
+                self.engine.abort_request(req.request_id)
+        return [outputs[req.request_id] for req in requests]
+
+    def add_request(self, req: Request) -> None:
+        """Queue a request built by `make_request` in the engine (see `step`).
+
+        Raises:
+            ValueError: a duplicate id, or a request that cannot fit in the KV cache.
+        """
+        self.engine.add_request(req, self._generator_for(req.params))
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step over every queued request; returns those that finished."""
+        return [_to_output(req) for req in self.engine.step()]
+
+    def make_request(self, prompt: PromptType, params: SamplingParams | None = None,
+                     request_id: str | None = None) -> Request:
+        """Validate and tokenize a prompt into a Request (for `add_request`).
+
+        Raises:
+            ValueError: as `generate`.
+        """
+        req = self._make_request(prompt, params or SamplingParams())
+        if request_id is not None:
+            req.request_id = request_id
+        return req
 
     def chat_prompt(self, messages: list[dict]) -> str:
         """Apply the tokenizer's chat template (with the assistant turn opened).
@@ -152,6 +193,17 @@ class LLM:
     def _generator_for(self, params: SamplingParams) -> torch.Generator:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         return torch.Generator(self.target.device).manual_seed(seed)
+
+
+def _num_kv_blocks(cfg: SchedulerConfig, target: ModelRunner) -> int:
+    """The configured block count, or as many blocks as `kv_cache_memory_bytes` holds, capped
+    at what max_num_seqs requests of max_model_len tokens (plus 16 lookahead slots) need."""
+    if cfg.num_kv_blocks is not None:
+        return cfg.num_kv_blocks
+    per_block = PagedKVCache.bytes_per_block(target.arch, cfg.block_size, target.loaded.dtype)
+    by_memory = cfg.kv_cache_memory_bytes // per_block
+    needed = cfg.max_num_seqs * -(-(target.max_model_len + 16) // cfg.block_size)
+    return max(1, min(by_memory, needed))
 
 
 def _as_prompt_list(prompts) -> list[PromptType]:

@@ -10,9 +10,10 @@ from specmoe.worker.model_runner import ModelRunner
 
 
 def build_proposer(spec: SpeculativeConfig, target: ModelRunner, target_tokenizer,
-                   target_model_config: ModelConfig):
+                   target_model_config: ModelConfig, num_kv_blocks: int, block_size: int):
     """An NgramProposer or a DraftModelProposer (draft loaded with the target's dtype and
-    device; it stops drafting at its own context limit).
+    device, with a KV cache of `num_kv_blocks` blocks of `block_size` positions; it stops
+    drafting at its own context limit).
 
     Raises:
         ValueError: when the draft model's vocabulary differs from the target's.
@@ -23,7 +24,7 @@ def build_proposer(spec: SpeculativeConfig, target: ModelRunner, target_tokenize
                                    device=str(target.device),
                                    quantization=spec.draft_quantization))
     check_vocab_match(target, target_tokenizer, draft)
-    return DraftModelProposer(ModelRunner(draft))
+    return DraftModelProposer(ModelRunner(draft), num_kv_blocks, block_size)
 
 
 def check_vocab_match(target: ModelRunner, target_tokenizer, draft) -> None:

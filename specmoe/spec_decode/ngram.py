@@ -50,12 +50,10 @@ class NgramProposer:
             raise ValueError(f"invalid n-gram range [{min_n}, {max_n}]: need 1 <= min <= max")
         self.min_n, self.max_n = min_n, max_n
 
-    def begin(self, request_id: str, capacity: int) -> None:
-        pass
+    def propose(self, reqs: list[ProposeRequest]) -> list[DraftProposal]:
+        """Each request's continuation by `find_ngram_continuation` (stateless)."""
+        return [DraftProposal(find_ngram_continuation(r.context, self.min_n, self.max_n,
+                                                      r.num_tokens)) for r in reqs]
 
-    def propose(self, req: ProposeRequest) -> DraftProposal:
-        return DraftProposal(find_ngram_continuation(req.context, self.min_n, self.max_n,
-                                                     req.num_tokens))
-
-    def end(self, request_id: str) -> None:
+    def free(self, request_id: str) -> None:
         pass

@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-from specmoe.sample.ops import SamplingTensors
+from specmoe.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -34,27 +34,26 @@ class ProposeRequest:
         context: prompt + emitted tokens so far.
         num_tokens: at most this many draft tokens (already bounded by max_tokens and the
             context limit).
-        sampling: the request's sampling tensors (one row).
+        params: the request's sampling parameters (a draft model drafts under them).
         generator: the request's random generator (None: torch's default).
     """
 
     request_id: str
     context: list[int]
     num_tokens: int
-    sampling: SamplingTensors
+    params: SamplingParams
     generator: torch.Generator | None
 
 
 class Proposer(Protocol):
-    """Drafts tokens; `begin`/`end` bracket one request so per-request state is freed."""
+    """Drafts tokens for a batch of requests; per-request state (e.g. a draft model's KV
+    cache) is created on a request's first proposal and dropped by `free`."""
 
     name: str
 
-    def begin(self, request_id: str, capacity: int) -> None:
-        """A request of at most `capacity` tokens starts."""
+    def propose(self, reqs: list[ProposeRequest]) -> list[DraftProposal]:
+        """Draft at most `r.num_tokens` tokens continuing `r.context` for each request, in
+        order (an empty proposal when it cannot draft)."""
 
-    def propose(self, req: ProposeRequest) -> DraftProposal:
-        """Draft at most `req.num_tokens` tokens continuing `req.context`."""
-
-    def end(self, request_id: str) -> None:
-        """The request finished; free its state."""
+    def free(self, request_id: str) -> None:
+        """The request finished, was aborted or preempted: drop its state (no-op if none)."""

@@ -141,7 +141,8 @@ def test_bad_num_new_blocks_is_named():
 
 
 def test_scheduling_layer_does_not_import_torch_or_numpy():
-    code = ("import sys, specmoe.engine.block_pool, specmoe.engine.kv_cache_manager; "
+    code = ("import sys, specmoe.engine.block_pool, specmoe.engine.kv_cache_manager, "
+            "specmoe.engine.scheduler, specmoe.engine.stats; "
             "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True)

@@ -6,10 +6,8 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from specmoe import SamplingParams, SpeculativeConfig
-from specmoe.sample.ops import SamplingTensors
 from specmoe.spec_decode.ngram import NgramProposer, find_ngram_continuation
 from specmoe.spec_decode.proposer import ProposeRequest
 
@@ -106,17 +104,15 @@ def test_matches_reference_on_random_contexts():
 # ------------------------------------------------------------------ NgramProposer
 
 
-def _propose_request(context: list[int], num_tokens: int) -> ProposeRequest:
-    sampling = SamplingTensors.from_params([SamplingParams(temperature=0)],
-                                           torch.device("cpu"))
-    return ProposeRequest("r0", context, num_tokens, sampling, None)
+def _propose_request(context: list[int], num_tokens: int, request_id: str = "r0"
+                     ) -> ProposeRequest:
+    return ProposeRequest(request_id, context, num_tokens, SamplingParams(temperature=0), None)
 
 
 def test_proposer_proposes_deterministic_continuation():
     proposer = NgramProposer(1, 3)
-    proposer.begin("r0", 100)
-    proposal = proposer.propose(_propose_request([1, 2, 3, 4, 1, 2], 2))
-    proposer.end("r0")
+    proposal, = proposer.propose([_propose_request([1, 2, 3, 4, 1, 2], 2)])
+    proposer.free("r0")
     assert proposal.token_ids == [3, 4]
     assert proposal.probs is None  # q is one-hot on each proposed token
 
@@ -124,8 +120,15 @@ def test_proposer_proposes_deterministic_continuation():
 @pytest.mark.parametrize("num_tokens", [-1, 0, 1, 3, 8])
 def test_proposer_respects_num_tokens(num_tokens):
     proposer = NgramProposer(1, 2)
-    proposal = proposer.propose(_propose_request([1, 2, 3, 4, 5, 6, 1, 2], num_tokens))
+    proposal, = proposer.propose([_propose_request([1, 2, 3, 4, 5, 6, 1, 2], num_tokens)])
     assert proposal.token_ids == [3, 4, 5, 6, 1, 2][:max(num_tokens, 0)]
+
+
+def test_proposer_drafts_each_request_of_a_batch_from_its_own_context():
+    proposals = NgramProposer(1, 2).propose([
+        _propose_request([1, 2, 3, 1, 2], 3, "a"), _propose_request([7, 8], 3, "b"),
+        _propose_request([5, 6, 9, 5], 1, "c")])
+    assert [p.token_ids for p in proposals] == [[3, 1, 2], [], [6]]
 
 
 @pytest.mark.parametrize("min_n, max_n", [(0, 2), (-1, 1), (3, 2), (0, 0)])
@@ -171,10 +174,11 @@ def proposal_log(llm, monkeypatch):
     log = []
     inner = llm.proposer.propose
 
-    def spy(req):
-        proposal = inner(req)
-        log.append((len(req.context), req.num_tokens, len(proposal.token_ids)))
-        return proposal
+    def spy(reqs):
+        proposals = inner(reqs)
+        log.extend((len(r.context), r.num_tokens, len(p.token_ids))
+                   for r, p in zip(reqs, proposals))
+        return proposals
 
     monkeypatch.setattr(llm.proposer, "propose", spy)
     return log

@@ -1,0 +1,183 @@
+"""The engine core: continuous batching with batched speculative decoding, one `step()` at a time.
+
+One step (DESIGN.md, "One speculative step"): the scheduler schedules every running request's
+gap between computed and verified tokens plus its drafts; the target runs one forward over the
+whole batch through the paged KV cache; each request that reached its last token is verified
+by rejection sampling (its accepted drafts plus one recovered or bonus token are appended,
+earliest stop first); the scheduler rolls each request's computed tokens back past its rejected
+drafts; the proposer drafts the next K for every request still running, in one batch.
+
+K = 0 (no proposer, or a request that turns speculation off) takes the same path with no
+drafts, so outputs with and without speculation come from the same sampling code.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from specmoe.config import SchedulerConfig
+from specmoe.engine.output_processor import OutputProcessor
+from specmoe.engine.scheduler import ScheduledRequest, Scheduler
+from specmoe.engine.stats import EngineStats
+from specmoe.engine.verification import VerifyRow, verify_rows
+from specmoe.outputs import TokenLogprob
+from specmoe.request import Request
+from specmoe.sample.ops import compute_logprobs
+from specmoe.spec_decode.proposer import ProposeRequest
+from specmoe.worker.model_runner import ModelRunner, SequenceInput
+
+
+class EngineCore:
+    """Runs many requests at once on a target model with an optional proposer.
+
+    Args:
+        target: the target model runner.
+        proposer: a Proposer, or None for no speculation.
+        processor: finish logic and detokenisation.
+        scheduler_config: batching and KV cache settings.
+        num_kv_blocks: blocks of the target's paged KV cache.
+        num_speculative_tokens: default K of requests that do not set their own (ignored
+            without a proposer).
+    """
+
+    def __init__(self, target: ModelRunner, proposer, processor: OutputProcessor,
+                 scheduler_config: SchedulerConfig, num_kv_blocks: int,
+                 num_speculative_tokens: int) -> None:
+        self.target = target
+        self.proposer = proposer
+        self.processor = processor
+        self.default_k = num_speculative_tokens if proposer is not None else 0
+        self.kv_cache = target.new_paged_cache(num_kv_blocks, scheduler_config.block_size)
+        self.scheduler = Scheduler(scheduler_config, num_kv_blocks)
+        self.stats = EngineStats()
+        self._generators: dict[str, torch.Generator] = {}
+        self._draft_probs: dict[str, torch.Tensor | None] = {}
+
+    def add_request(self, req: Request, generator: torch.Generator) -> None:
+        """Queue a request; `generator` drives all of its random draws.
+
+        Raises:
+            ValueError: duplicate id, or a request that cannot fit in the KV cache.
+        """
+        k = req.params.num_speculative_tokens
+        req.num_speculative_tokens = (self.default_k if k is None or self.proposer is None
+                                      else k)
+        self.scheduler.add_request(req)
+        self._generators[req.request_id] = generator
+        req.metrics.arrival_time = time.perf_counter()
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Stop a request now (finish_reason "abort"); its blocks return to the pool. None if
+        the id is unknown or already finished."""
+        req = self.scheduler.abort_request(request_id)
+        if req is not None:
+            req.finish_reason = req.finish_reason or "abort"
+            self._forget(request_id)
+        return req
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests
+
+    def step(self) -> list[Request]:
+        """Run one step; returns the requests that finished in it.
+
+        Raises:
+            RuntimeError: requests are waiting but none can be scheduled (cannot happen with
+                the admission checks of `Scheduler.add_request`; guards against a hang).
+        """
+        out = self.scheduler.schedule()
+        for request_id in out.preempted_request_ids:
+            self._drop_drafts(request_id)
+        if not out.scheduled:
+            if self.has_unfinished_requests:
+                raise RuntimeError("no request could be scheduled; the KV cache is too small")
+            return []
+        t0 = time.perf_counter()
+        logits = self.target.execute(self.kv_cache, [
+            SequenceInput(s.token_ids, s.start_pos, s.block_ids, s.num_logits)
+            for s in out.scheduled])  # [sum of num_logits, vocab_size]
+        sampled = [s for s in out.scheduled if s.num_logits]
+        reqs = [self.scheduler.requests[s.request_id] for s in sampled]
+        num_rejected = self._verify(sampled, reqs, logits.split([s.num_logits for s in sampled]))
+        verify_time = time.perf_counter() - t0
+        for s, req in zip(sampled, reqs):
+            if s.num_draft_tokens:
+                req.spec_stats.verify_time_s += verify_time
+        finished = self.scheduler.update_from_output(out, num_rejected)
+        for req in finished:
+            self._forget(req.request_id)
+            self.stats.spec.merge(req.spec_stats)
+            req.metrics.decode_time_s = (time.perf_counter() - req.metrics.arrival_time
+                                         - req.metrics.first_token_time_s)
+        self._propose([req for req in reqs if not req.is_finished])
+        self.stats.record_step(out.stats)
+        return finished
+
+    def _verify(self, sampled: list[ScheduledRequest], reqs: list[Request],
+                logits: tuple[torch.Tensor, ...]) -> dict[str, int]:
+        """Rejection-sample every request that reached its last token, append what it
+        emits, and return its number of rejected drafts."""
+        rows = [self._verify_row(s, req, rows) for s, req, rows in zip(sampled, reqs, logits)]
+        num_rejected = {}
+        for s, req, row, result in zip(sampled, reqs, rows, verify_rows(rows)):
+            if not req.output_token_ids:
+                req.metrics.first_token_time_s = time.perf_counter() - req.metrics.arrival_time
+                req.metrics.prefill_time_s = req.metrics.first_token_time_s
+            logprobs = _logprobs(req, row.logits, result.token_ids)
+            num_kept = self.processor.append(req, result.token_ids, logprobs)
+            req.spec_stats.record(s.num_draft_tokens, min(result.num_accepted, num_kept))
+            if s.num_draft_tokens:
+                req.spec_stats.num_emitted_tokens += num_kept
+            num_rejected[s.request_id] = s.num_draft_tokens - result.num_accepted
+        return num_rejected
+
+    def _verify_row(self, s: ScheduledRequest, req: Request, logits: torch.Tensor) -> VerifyRow:
+        probs = self._draft_probs.pop(s.request_id, None)
+        drafts = s.token_ids[len(s.token_ids) - s.num_draft_tokens:]
+        if probs is not None:
+            probs = probs[:s.num_draft_tokens]  # the scheduler may have cut drafts
+        return VerifyRow(logits, drafts, probs, req.params, self._generators[s.request_id])
+
+    def _propose(self, reqs: list[Request]) -> None:
+        """Draft the next tokens of every request that speculates, in one batch."""
+        asks = []
+        for req in reqs:
+            k = min(req.num_speculative_tokens,
+                    req.params.max_tokens - len(req.output_token_ids) - 1,
+                    self.target.max_model_len - req.num_tokens - 1)
+            if k > 0:
+                asks.append((req, ProposeRequest(req.request_id, req.all_token_ids, k,
+                                                 req.params, self._generators[req.request_id])))
+        if not asks:
+            return
+        t0 = time.perf_counter()
+        proposals = self.proposer.propose([ask for _, ask in asks])
+        draft_time = time.perf_counter() - t0
+        for (req, _), proposal in zip(asks, proposals):
+            req.spec_token_ids = proposal.token_ids
+            self._draft_probs[req.request_id] = proposal.probs
+            req.spec_stats.draft_time_s += draft_time
+
+    def _drop_drafts(self, request_id: str) -> None:
+        self._draft_probs.pop(request_id, None)
+        if self.proposer is not None:
+            self.proposer.free(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        self._drop_drafts(request_id)
+        self._generators.pop(request_id, None)
+
+
+def _logprobs(req: Request, logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob] | None:
+    num_top = req.params.logprobs
+    if num_top is None:
+        return None
+    logits = logits[:len(tokens)]
+    ids = torch.tensor(tokens, dtype=torch.long, device=logits.device)
+    token_lp, top_ids, top_lp = compute_logprobs(logits, ids, num_top)
+    token_lp, top_ids, top_lp = token_lp.tolist(), top_ids.tolist(), top_lp.tolist()
+    return [TokenLogprob(t, token_lp[i], list(zip(top_ids[i], top_lp[i])))
+            for i, t in enumerate(tokens)]

@@ -1,0 +1,85 @@
+"""Engine statistics: per step and aggregated over an engine's life (L2, no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from specmoe.outputs import SpecDecodeStats
+
+
+@dataclass(slots=True)
+class StepStats:
+    """Counters of one scheduler step.
+
+    Attributes:
+        num_running: requests holding KV cache after scheduling.
+        num_waiting: requests queued (new or preempted).
+        num_scheduled_requests: the step's batch size.
+        num_scheduled_tokens: tokens computed (prompt chunks, last tokens and drafts).
+        num_draft_tokens: draft tokens verified.
+        num_kv_blocks_used, num_kv_blocks_free: target KV cache blocks after scheduling.
+        num_preempted: requests preempted in this step.
+    """
+
+    num_running: int
+    num_waiting: int
+    num_scheduled_requests: int
+    num_scheduled_tokens: int
+    num_draft_tokens: int
+    num_kv_blocks_used: int
+    num_kv_blocks_free: int
+    num_preempted: int
+
+
+@dataclass
+class EngineStats:
+    """Totals since the engine started (or since `reset`).
+
+    Attributes:
+        num_steps: steps that ran a forward.
+        num_scheduled_requests: sum of batch sizes over steps.
+        max_batch_size: the largest batch of a step.
+        num_scheduled_tokens: tokens computed.
+        num_preemptions: requests preempted.
+        max_kv_blocks_used: peak target KV cache blocks in use.
+        spec: speculation statistics of every finished request, merged.
+        last_step: the most recent step's counters.
+    """
+
+    num_steps: int = 0
+    num_scheduled_requests: int = 0
+    max_batch_size: int = 0
+    num_scheduled_tokens: int = 0
+    num_preemptions: int = 0
+    max_kv_blocks_used: int = 0
+    spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    last_step: StepStats | None = None
+
+    def record_step(self, step: StepStats) -> None:
+        """Add one step's counters."""
+        self.num_steps += 1
+        self.num_scheduled_requests += step.num_scheduled_requests
+        self.max_batch_size = max(self.max_batch_size, step.num_scheduled_requests)
+        self.num_scheduled_tokens += step.num_scheduled_tokens
+        self.num_preemptions += step.num_preempted
+        self.max_kv_blocks_used = max(self.max_kv_blocks_used, step.num_kv_blocks_used)
+        self.last_step = step
+
+    @property
+    def mean_batch_size(self) -> float:
+        return self.num_scheduled_requests / self.num_steps if self.num_steps else 0.0
+
+    def to_dict(self, prefix_cache_hit_rate: float | None = None) -> dict:
+        """JSON-ready summary; pass the KV cache manager's hit rate to include it."""
+        out = {
+            "num_steps": self.num_steps, "mean_batch_size": self.mean_batch_size,
+            "max_batch_size": self.max_batch_size,
+            "num_scheduled_tokens": self.num_scheduled_tokens,
+            "num_preemptions": self.num_preemptions,
+            "max_kv_blocks_used": self.max_kv_blocks_used,
+            "spec_decode": self.spec.to_dict(),
+            "last_step": asdict(self.last_step) if self.last_step else None,
+        }
+        if prefix_cache_hit_rate is not None:
+            out["prefix_cache_hit_rate"] = prefix_cache_hit_rate
+        return out

@@ -1,0 +1,85 @@
+"""Batched verification: one rejection-sampling call per group of requests with equal K.
+
+A step's requests may verify different numbers of drafts (per-request K, drafts cut by the
+budget, proposers that find no match). Rows are grouped by their draft count so each call has
+a rectangular [G, k + 1, vocab] block of target logits. Grouping, rather than padding, keeps
+every request's random draws a function of its own k alone: a seeded request then samples the
+same tokens whatever runs beside it (see `rejection_sample`, which draws k uniforms and
+(k + 1) x vocab exponentials per row from the row's own generator).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specmoe.sample.ops import SamplingTensors
+from specmoe.sample.rejection_sampler import rejection_sample
+from specmoe.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class VerifyRow:
+    """One request's verification input.
+
+    Attributes:
+        logits: [k + 1, vocab_size] float32 target logits at [last, d_1 .. d_k].
+        draft_token_ids: the k drafts.
+        draft_probs: [k, vocab_size] draft distributions q, or None (one-hot q).
+        params: the request's sampling parameters.
+        generator: the request's generator.
+    """
+
+    logits: torch.Tensor
+    draft_token_ids: list[int]
+    draft_probs: torch.Tensor | None
+    params: SamplingParams
+    generator: torch.Generator | None
+
+
+@dataclass(slots=True)
+class VerifyResult:
+    """Tokens emitted for one request: its accepted drafts, then a recovered or bonus token.
+
+    Attributes:
+        token_ids: num_accepted + 1 tokens.
+        num_accepted: accepted drafts.
+    """
+
+    token_ids: list[int]
+    num_accepted: int
+
+
+def verify_rows(rows: list[VerifyRow]) -> list[VerifyResult]:
+    """Rejection-sample every row, grouped by draft count; results in the order of rows."""
+    groups: dict[int, list[int]] = {}
+    for i, row in enumerate(rows):
+        groups.setdefault(len(row.draft_token_ids), []).append(i)
+    results: list[VerifyResult | None] = [None] * len(rows)
+    for members in groups.values():
+        for i, result in zip(members, _verify_group([rows[i] for i in members])):
+            results[i] = result
+    return results
+
+
+def _verify_group(rows: list[VerifyRow]) -> list[VerifyResult]:
+    logits = torch.stack([r.logits for r in rows])  # [G, k + 1, vocab_size]
+    device = logits.device
+    draft_ids = torch.tensor([r.draft_token_ids for r in rows], dtype=torch.long,
+                             device=device).view(len(rows), -1)  # [G, k]
+    sampling = SamplingTensors.from_params([r.params for r in rows], device)
+    out = rejection_sample(logits, draft_ids, _draft_probs(rows, draft_ids),
+                           sampling, [r.generator for r in rows])
+    tokens, num_accepted = out.output_token_ids.tolist(), out.num_accepted.tolist()
+    return [VerifyResult(t[:n + 1], n) for t, n in zip(tokens, num_accepted)]
+
+
+def _draft_probs(rows: list[VerifyRow], draft_ids: torch.Tensor) -> torch.Tensor | None:
+    """[G, k, vocab_size] q, one-hot for rows without probs; None if no row has any."""
+    if all(r.draft_probs is None for r in rows) or draft_ids.shape[1] == 0:
+        return None
+    vocab_size = rows[0].logits.shape[-1]
+    one_hot = torch.nn.functional.one_hot(draft_ids, vocab_size).float()  # [G, k, vocab]
+    return torch.stack([one_hot[i] if r.draft_probs is None else r.draft_probs.float()
+                        for i, r in enumerate(rows)])
