@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specmoe-installed
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test bench peers clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,15 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/bench_decode.py
+
+# llama-cpp-python, the llama-cpp peer of `specmoe bench spec --peers llama-cpp`, built from
+# source (about 9 minutes) without AMX instructions: its default build uses them and these VMs
+# forbid them (illegal instruction on the first matmul). --no-cache-dir: never reuse a wheel
+# built earlier with other flags. Not in the test extra: CI does not build it.
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+peers: $(STAMP)
+	CMAKE_ARGS="-DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)'" \
+		$(PY) -m pip install --no-cache-dir llama-cpp-python==0.3.36
 
 clean:
 	rm -rf $(VENV)

@@ -31,7 +31,8 @@ def markdown(results: dict) -> str:
              f"{rf['plain_decode_tokens_per_s']:.2f} tok/s = "
              f"{100 * rf['fraction_of_roofline']:.0f}% of it.", ""]
     if "peers" in results:
-        lines += ["## Peers (same weights, same prompts, greedy)", "", *peer_table(results["peers"]), ""]
+        lines += ["## Peers (same model files, same prompts, greedy)", "",
+                  *peer_table(results["peers"]), ""]
     lines += ["## Every configuration", "", *full_table(results["rows"])]
     return "\n".join(lines) + "\n"
 
@@ -68,6 +69,16 @@ def peer_table(peers: dict) -> list[str]:
         out.append(f"| {mode} | {statistics.median(tps):.2f} |")
     out += ["", "| ratio (median of per-prompt ratios) | value |", "|---|---|"]
     out += [f"| {name} | {v:.2f}x |" for name, v in peers["ratios"].items()]
+    if any(m.startswith("llama-cpp") for m in peers["tokens_per_s"]):
+        out += ["", "llama-cpp runs the GGUF file's quantised tensors (Q4_K and others); we "
+                "and transformers run them dequantised, so greedy outputs may differ."]
+    comparisons = peers.get("greedy_comparison", {})
+    if comparisons:
+        out += ["", "| greedy output | prompts that differ | first differing token |",
+                "|---|---|---|"]
+        for name, c in comparisons.items():
+            first = ", ".join("-" if f is None else str(f) for f in c["first_difference"])
+            out.append(f"| {name} | {c['differing_prompts']}/{c['num_prompts']} | {first} |")
     return out
 
 

@@ -3,8 +3,9 @@ temperature, against our own decoding without speculation measured in the same r
 
 Per prompt, every configuration runs back to back (plain first), so the machine's drift hits
 all of them alike. Greedy outputs with speculation are compared token for token with the
-plain greedy output. Peers (transformers plain / assisted / prompt lookup) run on the same
-weights and prompts when asked. A bandwidth probe gives the roofline of plain decoding.
+plain greedy output. Peers (transformers plain / assisted / prompt lookup, llama-cpp-python
+plain / prompt lookup) run on the same weights and prompts when asked. A bandwidth probe
+gives the roofline of plain decoding.
 """
 
 from __future__ import annotations
@@ -171,7 +172,8 @@ def build_engines(cfg: SpecBenchConfig) -> dict:
 
 def run_spec_bench(cfg: SpecBenchConfig) -> dict:
     """Run everything `cfg` asks for; returns the JSON-ready results."""
-    from specmoe.bench.spec_peers import run_peers
+    from specmoe.bench.spec_peers import check_peers, run_peers
+    check_peers(cfg.peers)  # before the sweep: a missing peer package fails at once
     t0 = time.perf_counter()
     engines = build_engines(cfg)
     load_s = time.perf_counter() - t0
