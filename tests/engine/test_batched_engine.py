@@ -1,0 +1,175 @@
+"""The batched engine end to end on the real SmolLM2-135M (GGUF, fp32).
+
+- Batch invariance: each prompt's greedy output is the same run alone, in a batch of 16 of mixed
+  lengths (one prefilled in chunks), with n-gram or draft-model speculation, and with K
+  differing per request (0 turns it off), and under preemption.
+- Seed isolation: a seeded sampled request gives the same output alone or beside others.
+- Prefix caching: hits give the same output as misses.
+- No leak: after every scenario (EOS, stop string, max_tokens, preemption, abort) the KV cache
+  pools (the target's and the draft's) hold every block again.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from specmoe import LLM, SamplingParams
+from specmoe.utils.data import load_prompts
+
+BUDGET = 128  # tokens per step: the long prompt is prefilled in several chunks
+SCHEDULER = {"max_num_seqs": 16, "max_num_batched_tokens": BUDGET, "block_size": 16}
+
+
+@pytest.fixture(scope="module")
+def plain(smollm2) -> LLM:
+    return LLM(smollm2, dtype="float32", scheduler=SCHEDULER)
+
+
+@pytest.fixture(scope="module")
+def ngram(plain) -> LLM:
+    return plain.with_speculative({"method": "ngram", "num_speculative_tokens": 4})
+
+
+@pytest.fixture(scope="module")
+def draft(plain, smollm2) -> LLM:
+    return plain.with_speculative({"method": "draft", "draft_model": smollm2,
+                                   "num_speculative_tokens": 3})
+
+
+@pytest.fixture(scope="module")
+def prompts(plain) -> list[str]:
+    """16 real prompts: 10 chat-wrapped Spec-Bench questions, 5 raw text prompts of 1 to a
+    few tokens, and one long prompt (> 2 step budgets)."""
+    try:
+        questions = load_prompts("spec_bench", limit=40)
+    except FileNotFoundError as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"Spec-Bench prompts not found: {exc}")
+    chats = [plain.chat_prompt([{"role": "user", "content": q.text}]) for q in questions[::4]]
+    raw = ["def", "1, 2, 3,", "The capital of France is", "import numpy as np\n", "Once"]
+    long = " ".join(q.text for q in questions[:12])
+    out = chats + raw + [long]
+    assert len(plain.tokenizer.encode(long)) > 2 * BUDGET
+    return out
+
+
+def _greedy(i: int, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=8 + 3 * (i % 6), ignore_eos=True, **kwargs)
+
+
+def _assert_no_leak(*llms: LLM) -> None:
+    for llm in llms:
+        kv = llm.engine.scheduler.kv_cache
+        assert not llm.engine.has_unfinished_requests
+        assert kv.num_free_blocks == kv.num_blocks
+        kv.check_invariants()
+        draft_kv = getattr(llm.proposer, "kv_cache", None)
+        if draft_kv is not None:
+            assert draft_kv.num_free_blocks == draft_kv.num_blocks
+            draft_kv.check_invariants()
+
+
+@pytest.fixture(scope="module")
+def alone(plain, prompts) -> list[list[int]]:
+    return [plain.generate([p], _greedy(i))[0].token_ids for i, p in enumerate(prompts)]
+
+
+def test_batch_of_16_equals_each_prompt_alone(plain, prompts, alone):
+    outs = plain.generate(prompts, [_greedy(i) for i in range(len(prompts))])
+    assert [o.token_ids for o in outs] == alone
+    assert plain.engine.stats.max_batch_size == 16
+    assert all(o.finish_reason == "length" for o in outs)
+    _assert_no_leak(plain)
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_speculative_batch_with_per_request_k_equals_alone(request, proposer, prompts, alone):
+    llm = request.getfixturevalue(proposer)
+    ks = [None, 0, 1, 2, 4, 3]
+    params = [_greedy(i, num_speculative_tokens=ks[i % len(ks)]) for i in range(len(prompts))]
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == alone
+    assert sum(o.spec_stats.num_drafts for o in outs) > 0
+    for o, p in zip(outs, params):
+        if p.num_speculative_tokens == 0:
+            assert o.spec_stats.num_drafts == 0  # K = 0 turns speculation off for it alone
+    _assert_no_leak(llm)
+
+
+def test_preemption_keeps_outputs_and_leaks_nothing(smollm2, prompts, alone):
+    """A cache of 40 blocks (640 tokens: the long prompt fits) cannot hold 16 requests: the
+    newest are preempted, recomputed later, and still produce the same tokens."""
+    small = LLM(smollm2, dtype="float32", scheduler={**SCHEDULER, "num_kv_blocks": 40},
+                speculative={"method": "ngram", "num_speculative_tokens": 4})
+    outs = small.generate(prompts, [_greedy(i) for i in range(len(prompts))])
+    assert [o.token_ids for o in outs] == alone
+    assert small.engine.stats.num_preemptions > 0
+    _assert_no_leak(small)
+
+
+def test_seeded_request_is_isolated_from_its_neighbours(ngram, prompts):
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=24,
+                            ignore_eos=True)
+    solo = ngram.generate([prompts[0]], seeded)[0].token_ids
+    others = [SamplingParams(temperature=1.0, seed=s, max_tokens=20) for s in range(5)]
+    others += [SamplingParams(temperature=0.7, max_tokens=16), _greedy(0)]
+    outs = ngram.generate([prompts[0]] + prompts[1:8], [seeded] + others)
+    assert outs[0].token_ids == solo
+    _assert_no_leak(ngram)
+
+
+def test_prefix_cache_hits_give_the_same_output_as_misses(smollm2, plain, prompts):
+    shared = prompts[-1]  # the long prompt: many full blocks to hit
+    suffixes = [" Summarise.", " Translate.", " Continue:", ""]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    uncached = LLM(smollm2, dtype="float32",
+                   scheduler={**SCHEDULER, "enable_prefix_caching": False})
+    misses = uncached.generate([shared + s for s in suffixes], params)
+    kv = plain.engine.scheduler.kv_cache
+    hits_before = kv.block_pool.prefix_cache_stats.num_hit_tokens
+    plain.generate([shared], params)  # warm the cache
+    hits = plain.generate([shared + s for s in suffixes], params)
+    assert kv.block_pool.prefix_cache_stats.num_hit_tokens - hits_before >= 4 * 2 * BUDGET
+    assert [o.token_ids for o in hits] == [o.token_ids for o in misses]
+    _assert_no_leak(plain, uncached)
+
+
+SHORT_ANSWERS = ["Answer with one word: is the sky blue?", "What is 2 + 2? Reply with the number.",
+                 "Say hello.", "Name one colour."]
+
+
+@pytest.mark.parametrize("case", ["eos", "stop_string", "max_tokens"])
+def test_every_finish_returns_all_blocks(draft, prompts, case):
+    params = {"eos": SamplingParams(temperature=0, max_tokens=48),
+              "stop_string": SamplingParams(temperature=0, max_tokens=64, stop=["."]),
+              "max_tokens": SamplingParams(temperature=0.9, seed=5, max_tokens=7)}[case]
+    if case == "eos":  # questions SmolLM2 answers in a few tokens, then emits EOS
+        prompts = [draft.chat_prompt([{"role": "user", "content": q}]) for q in SHORT_ANSWERS]
+    outs = draft.generate(prompts[:10], params)
+    if case == "eos":
+        assert all(o.finish_reason == "stop" and o.stop_reason is None for o in outs)
+    if case == "stop_string":
+        assert any(o.stop_reason == "." for o in outs)
+    _assert_no_leak(draft)
+
+
+def test_step_api_abort_mid_generation(draft, prompts):
+    """The server's path: add requests, step, abort one while it holds KV blocks."""
+    reqs = [draft.make_request(p, _greedy(5), request_id=f"r{i}")
+            for i, p in enumerate(prompts[:4])]
+    for req in reqs:
+        draft.add_request(req)
+    finished = []
+    for _ in range(3):
+        finished += draft.step()
+    assert draft.engine.scheduler.kv_cache.num_free_blocks < draft.engine.scheduler.kv_cache.num_blocks
+    aborted = draft.engine.abort_request("r1")
+    assert aborted is not None and aborted.finish_reason == "abort"
+    while draft.engine.has_unfinished_requests:
+        finished += draft.step()
+    assert sorted(o.request_id for o in finished) == ["r0", "r2", "r3"]
+    assert draft.engine.abort_request("r1") is None
+    _assert_no_leak(draft)
