@@ -50,7 +50,7 @@ class EngineCore:
         self.processor = processor
         self.default_k = num_speculative_tokens if proposer is not None else 0
         self.kv_cache = target.new_paged_cache(num_kv_blocks, scheduler_config.block_size)
-        self.scheduler = Scheduler(scheduler_config, num_kv_blocks)
+        self.scheduler = Scheduler(scheduler_config, num_kv_blocks, target.max_model_len)
         self.stats = EngineStats()
         self._generators: dict[str, torch.Generator] = {}
         self._draft_probs: dict[str, torch.Tensor | None] = {}

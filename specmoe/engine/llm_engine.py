@@ -110,10 +110,10 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params_list = self._params_list(sampling_params, len(prompt_list))
         requests = [self._make_request(p, sp) for p, sp in zip(prompt_list, params_list)]
-        for req in requests:
-            self.add_request(req)
         outputs: dict[str, RequestOutput] = {}
         try:
+            for req in requests:
+                self.add_request(req)
             while self.engine.has_unfinished_requests:
                 for req in self.engine.step():
                     outputs[req.request_id] = _to_output(req)

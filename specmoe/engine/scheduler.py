@@ -79,13 +79,16 @@ class Scheduler:
     Args:
         config: budget, caps and KV cache block settings.
         num_blocks: KV cache blocks of the target model.
+        max_model_len: context limit; a request never holds more tokens (None: no limit).
 
     Raises:
         ValueError: from `SchedulerConfig` / `KVCacheManager` for invalid sizes.
     """
 
-    def __init__(self, config: SchedulerConfig, num_blocks: int) -> None:
+    def __init__(self, config: SchedulerConfig, num_blocks: int,
+                 max_model_len: int | None = None) -> None:
         self.config = config
+        self.max_model_len = max_model_len
         self.kv_cache = KVCacheManager(num_blocks, config.block_size,
                                        config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
@@ -102,12 +105,14 @@ class Scheduler:
         """Queue a request (status WAITING).
 
         Raises:
-            ValueError: its id is already queued, or its prompt plus max_tokens cannot fit in
-                the whole KV cache (it could never finish).
+            ValueError: its id is already queued, or its prompt plus max_tokens (capped at
+                max_model_len) cannot fit in the whole KV cache (it could never finish).
         """
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request_id={req.request_id!r}")
         needed = req.num_tokens + req.params.max_tokens
+        if self.max_model_len is not None:
+            needed = min(needed, self.max_model_len)
         if needed > self.max_tokens_per_request:
             raise ValueError(
                 f"request {req.request_id!r} needs up to {needed} tokens of KV cache "

@@ -111,6 +111,34 @@ def test_bad_engine_option_names_the_field(tiny_llama_dir, kwargs, field):
         LLM(str(tiny_llama_dir), **kwargs)
 
 
+@pytest.mark.parametrize("scheduler, field", [
+    ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"max_num_batched_tokens": -4}, "max_num_batched_tokens"),
+    ({"block_size": 0}, "block_size"),
+    ({"num_kv_blocks": 0}, "num_kv_blocks"),
+    ({"kv_cache_memory_bytes": 1.5}, "kv_cache_memory_bytes"),
+])
+def test_bad_scheduler_option_names_the_field(tiny_llama_dir, scheduler, field):
+    with pytest.raises(ValueError, match=field):
+        LLM(str(tiny_llama_dir), scheduler=scheduler)
+
+
+def test_request_larger_than_the_kv_cache_is_rejected_and_nothing_leaks(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), scheduler={"num_kv_blocks": 2, "block_size": 16})
+    with pytest.raises(ValueError, match="KV cache"):  # 20 + 20 > 32 slots
+        llm.generate([[3, 4], [5] * 20], SamplingParams(max_tokens=20))
+    kv = llm.engine.scheduler.kv_cache
+    assert not llm.engine.has_unfinished_requests and kv.num_free_blocks == 2
+    out = llm.generate([[3, 4]], SamplingParams(temperature=0, max_tokens=20))[0]
+    assert len(out.token_ids) <= 20  # the engine still serves requests that fit
+
+
+def test_max_tokens_beyond_the_context_is_capped_not_rejected(tiny_llm):
+    out = tiny_llm.generate([[3, 4, 5]], SamplingParams(temperature=0, max_tokens=10**6,
+                                                        ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 128 - 3
+
+
 @pytest.mark.parametrize("model", ["no-such-model-alias", "/nonexistent/dir/model.gguf"])
 def test_unknown_model_raises_file_not_found(model):
     with pytest.raises(FileNotFoundError, match="no-such-model-alias|/nonexistent"):
