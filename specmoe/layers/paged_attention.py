@@ -9,7 +9,7 @@ sequence i computes positions [start_pos_i, start_pos_i + num_tokens_i) and atte
 
 Two kinds of sequence, split once per forward by `AttentionMetadata.build`:
 - few query tokens (decode, verification of K drafts: at most `MAX_DECODE_QUERY` tokens):
-  gathered into one padded batch [num_seqs, max_query, ...] attended by two batched matmuls;
+  gathered into one padded batch [num_seqs, max_query, ...] attended by one SDPA call;
 - many query tokens (a prefill chunk): one fused SDPA call per sequence.
 
 The same code serves one sequence alone, so batch size 1 is not a separate path. Source: the
@@ -227,26 +227,21 @@ def paged_attention(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]
 
 def _attend_decode(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                    group: DecodeGroup, scale: float) -> torch.Tensor:
-    """[num_rows, q_size]: the padded batch's valid rows (order of group.token_index)."""
+    """[num_rows, q_size]: the padded batch's valid rows (order of group.token_index), by one
+    SDPA call over keys/values gathered through the block tables (measured faster on CPU than
+    explicit matmuls at every batch size tried, 1 to 64)."""
     k_cache, v_cache = kv_cache
     _, num_heads, head_dim = q.shape
-    batch, max_len = group.kv_index.shape
-    num_kv_heads, t = k_cache.shape[1], group.max_query
-    g = num_heads // num_kv_heads
+    batch, t = group.kv_index.shape[0], group.max_query
     q_pad = q.new_zeros(batch * t, num_heads, head_dim)
     q_pad[group.padded_index] = q[group.token_index]
-    # Query head h = kv_head * g + j; rows of qh are ordered (j, t).
-    qh = q_pad.view(batch, t, num_kv_heads, g, head_dim).permute(0, 2, 3, 1, 4)
-    qh = qh.reshape(batch, num_kv_heads, g * t, head_dim)
-    k = k_cache[group.kv_index].transpose(1, 2)  # [B, kv_heads, L, hd]
-    v = v_cache[group.kv_index].transpose(1, 2)
-    scores = torch.matmul(qh, k.transpose(2, 3)).float() * scale  # [B, kv_heads, g*t, L]
-    mask = group.mask[:, None, None].expand(batch, 1, g, t, max_len).reshape(
-        batch, 1, g * t, max_len)
-    probs = scores.masked_fill_(~mask, float("-inf")).softmax(dim=-1).to(v.dtype)
-    out = torch.matmul(probs, v)  # [B, kv_heads, g * t, hd]
-    out = out.view(batch, num_kv_heads, g, t, head_dim).permute(0, 3, 1, 2, 4)
-    return out.reshape(batch * t, num_heads * head_dim)[group.padded_index]
+    out = F.scaled_dot_product_attention(
+        q_pad.view(batch, t, num_heads, head_dim).transpose(1, 2),  # [B, heads, t, hd]
+        k_cache[group.kv_index].transpose(1, 2),  # [B, kv_heads, L, hd]
+        v_cache[group.kv_index].transpose(1, 2),
+        attn_mask=group.mask[:, None], scale=scale,
+        enable_gqa=num_heads != k_cache.shape[1])  # [B, heads, t, hd]
+    return out.transpose(1, 2).reshape(batch * t, num_heads * head_dim)[group.padded_index]
 
 
 def _attend_prefill(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
