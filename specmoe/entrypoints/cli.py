@@ -94,8 +94,69 @@ def add_bench_parser(sub) -> None:
     spec.add_argument("--ks", default=",".join(map(str, d.ks)))
     spec.add_argument("--temperatures", default=",".join(map(str, d.temperatures)))
     spec.add_argument("--max-tokens", type=int, default=d.max_tokens)
-    spec.add_argument("--peers", default="", help="comma list: transformers")
+    spec.add_argument("--peers", default="",
+                      help="comma list of transformers, llama-cpp (llama-cpp-python on the "
+                           "GGUF file; install it with `make peers`)")
     spec.add_argument("--out", default="out/bench_spec", help="report directory")
+    add_bench_throughput_parser(bench)
+
+
+def add_bench_throughput_parser(bench) -> None:
+    from specmoe.bench.throughput import ThroughputBenchConfig
+    d = ThroughputBenchConfig()
+    tp = bench.add_parser("throughput", help="tokens/s and latency against concurrency, "
+                                             "with and without speculation")
+    tp.add_argument("--model", default=d.model,
+                    help="target model: path or alias (default: %(default)s)")
+    tp.add_argument("--draft", default=d.draft,
+                    help="'ngram', a draft model path/alias, or 'none' (plain only)")
+    tp.add_argument("--num-speculative-tokens", "-k", type=int, default=d.num_speculative_tokens)
+    tp.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
+    tp.add_argument("--quantization", default=None, choices=["int8", "int4"])
+    tp.add_argument("--draft-quantization", default=None, choices=["int8", "int4"])
+    tp.add_argument("--concurrency", default=",".join(map(str, d.concurrency)),
+                    help="comma list of concurrent requests (default: %(default)s)")
+    tp.add_argument("--max-tokens", type=int, default=d.max_tokens,
+                    help="tokens per request, EOS ignored (default: %(default)s)")
+    tp.add_argument("--reps", type=int, default=d.reps,
+                    help="repetitions of the sweep (default: %(default)s)")
+    tp.add_argument("--datasets", default=",".join(d.datasets))
+    tp.add_argument("--num-requests", type=int, default=d.num_requests,
+                    help="requests of a run at smaller C, in waves of C, so every C sees "
+                         "the same prompts (default: %(default)s)")
+    tp.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                    help="token budget of one engine step (default: %(default)s)")
+    tp.add_argument("--num-kv-blocks", type=int, default=None,
+                    help="target KV cache blocks (default: sized by the engine)")
+    tp.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads (default: torch's; on cores shared with "
+                         "other jobs, 1 avoids oversubscribed threads)")
+    tp.add_argument("--out", default=None,
+                    help="report directory (default: out/throughput-<date>-<time>)")
+
+
+def cmd_bench_throughput(args) -> None:
+    import time
+    from pathlib import Path
+
+    from specmoe.bench.throughput import ThroughputBenchConfig, run_throughput_bench
+    from specmoe.bench.throughput_report import caveats, target_sentence, write_report
+    cfg = ThroughputBenchConfig(
+        model=args.model, draft=args.draft, num_speculative_tokens=args.num_speculative_tokens,
+        dtype=args.dtype, quantization=args.quantization,
+        draft_quantization=args.draft_quantization,
+        concurrency=[int(c) for c in args.concurrency.split(",") if c],
+        max_tokens=args.max_tokens, reps=args.reps,
+        datasets=[d for d in args.datasets.split(",") if d], num_requests=args.num_requests,
+        max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
+        num_threads=args.threads)
+    out = Path(args.out or f"out/throughput-{time.strftime('%Y%m%d-%H%M')}")
+    results = run_throughput_bench(cfg)
+    for path in write_report(results, out):
+        print(path)
+    print(target_sentence(results["target"]).replace("**", ""))
+    for caveat in caveats(results):
+        print(f"caveat: {caveat}")
 
 
 def cmd_bench_spec(args) -> None:
@@ -181,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             cmd_generate(args)
+        elif args.command == "bench" and args.bench == "throughput":
+            cmd_bench_throughput(args)
         elif args.command == "bench":
             cmd_bench_spec(args)
         elif args.command == "demo":

@@ -1,0 +1,436 @@
+"""`specmoe bench throughput`: offline throughput and latency against concurrency, with and
+without speculation, on real prompts.
+
+For each concurrency C, C requests are submitted at once (`LLM.generate` with a list of C
+prompts; greedy, EOS ignored, `max_tokens` each) and the wall time is measured. So that every
+C sees the same prompt mix (a C=1 baseline on one short prompt would flatter nothing and
+measure little), a run at C < num_requests processes the first num_requests prompts in
+successive waves of C; a run at C >= num_requests is one wave of C distinct prompts. The
+engine's counters (`EngineStats`) are reset before each run and the target's prefix cache is
+emptied, so every run starts cold. Modes are interleaved: each repetition sweeps every C, plain then
+speculative at each, so the machine's drift hits both modes (and every C) alike, and the
+ratios (throughput at C over plain throughput at C=1, speculative over plain at C) are taken
+within one repetition and summarised by their median.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from specmoe.loader.aliases import DEFAULT_MODEL
+from specmoe.utils.data import DATASETS, load_prompts
+
+MODES = ("plain", "spec")
+SPEC_BENCH_CATEGORIES = ["summarization", "rag", "translation", "qa", "math_reasoning"]
+# One step's counters as recorded in each run's "steps" (one list per step).
+STEP_FIELDS = ["seconds", "num_scheduled_requests", "num_scheduled_tokens",
+               "num_draft_tokens", "num_preempted"]
+
+
+@dataclass
+class ThroughputBenchConfig:
+    """What to run. Defaults finish in about 10-15 minutes on 2 CPU cores with smollm2-135m.
+
+    Attributes:
+        model: target model (path or alias).
+        draft: "ngram" (prompt lookup), a draft model path/alias, or "none" (plain only).
+        num_speculative_tokens: K of the speculative mode.
+        concurrency: numbers of requests submitted at once, ascending; the first is the
+            baseline of the scaling ratios (1 for the target line).
+        max_tokens: tokens generated per request (EOS ignored).
+        reps: repetitions of the whole sweep.
+        datasets: prompt sets, interleaved; each is taken round-robin over its categories.
+        num_requests: requests of a run at C < num_requests (waves of C); a run at a larger
+            C has C requests. max(num_requests, max(concurrency)) distinct prompts are used
+            (cycled only if the data sets run out).
+        max_num_batched_tokens: token budget of one engine step.
+        num_kv_blocks: KV cache blocks of the target (None: sized by the engine).
+        num_threads: torch intra-op threads (None: torch's default).
+        target_concurrency, target_ratio: the target line: at target_concurrency requests,
+            plain tokens/s >= target_ratio x plain tokens/s at C=1.
+    """
+
+    model: str = DEFAULT_MODEL
+    draft: str = "ngram"
+    num_speculative_tokens: int = 4
+    dtype: str = "float32"
+    quantization: str | None = None
+    draft_quantization: str | None = None
+    concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    max_tokens: int = 96
+    reps: int = 2
+    datasets: list[str] = field(default_factory=lambda: ["spec_bench", "mt_bench"])
+    num_requests: int = 8
+    max_num_batched_tokens: int = 1024
+    num_kv_blocks: int | None = None
+    num_threads: int | None = None
+    target_concurrency: int = 16
+    target_ratio: float = 6.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.concurrency or any(not isinstance(c, int) or c < 1
+                                       for c in self.concurrency):
+            raise ValueError(f"invalid concurrency={self.concurrency}: need ints >= 1")
+        self.concurrency = sorted(set(self.concurrency))
+        for name in ("max_tokens", "reps", "num_requests", "num_speculative_tokens",
+                     "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"invalid {name}={getattr(self, name)}: must be >= 1")
+        bad = [d for d in self.datasets if d not in DATASETS]
+        if bad or not self.datasets:
+            raise ValueError(f"invalid datasets={self.datasets}: choose from {DATASETS}")
+
+    @property
+    def modes(self) -> list[str]:
+        return ["plain"] if self.draft == "none" else list(MODES)
+
+
+# ---------------------------------------------------------------- prompts
+
+
+def build_prompts(cfg: ThroughputBenchConfig, llm) -> list[dict]:
+    """max(num_requests, max(concurrency)) prompts, data sets interleaved; each {"dataset",
+    "category", "token_ids"}, the chat template applied when the model has one (HumanEval
+    stays raw)."""
+    pool = max(cfg.num_requests, max(cfg.concurrency))
+    per_set = [_round_robin(_load(d), -(-pool // len(cfg.datasets))) for d in cfg.datasets]
+    out = []
+    for i in range(max(len(p) for p in per_set)):
+        for prompts in per_set:
+            if i < len(prompts):
+                p = prompts[i]
+                out.append({"dataset": p.dataset, "category": p.category,
+                            "token_ids": _encode(llm, p)})
+    return out[:pool]
+
+
+def _load(dataset: str):
+    if dataset == "spec_bench":  # its first 80 rows repeat MT-Bench: take its own tasks
+        return load_prompts(dataset, categories=SPEC_BENCH_CATEGORIES)
+    return load_prompts(dataset)
+
+
+def _round_robin(prompts: list, n: int) -> list:
+    """n prompts taking the categories in turn (file order within each)."""
+    by_cat: dict[str, list] = {}
+    for p in prompts:
+        by_cat.setdefault(p.category, []).append(p)
+    queues = list(by_cat.values())
+    out: list = []
+    while len(out) < n and any(queues):
+        for q in queues:
+            if q and len(out) < n:
+                out.append(q.pop(0))
+    return out
+
+
+def _encode(llm, prompt) -> list[int]:
+    text = prompt.text
+    if not prompt.is_completion:
+        try:
+            text = llm.chat_prompt([{"role": "user", "content": prompt.text}])
+        except ValueError:  # no chat template: the raw text
+            pass
+    return llm.tokenizer.encode(text, add_special_tokens=False)
+
+
+def waves_for(num_prompts: int, concurrency: int, num_requests: int) -> list[list[int]]:
+    """Prompt indices of a run: max(num_requests, concurrency) requests (prompts cycled
+    over num_prompts) in waves of `concurrency` submitted at once (the last may be short)."""
+    indices = [i % num_prompts for i in range(max(num_requests, concurrency))]
+    return [indices[i:i + concurrency] for i in range(0, len(indices), concurrency)]
+
+
+# ---------------------------------------------------------------- running
+
+
+def build_engines(cfg: ThroughputBenchConfig) -> dict:
+    """{"plain": LLM, "spec": LLM over the same loaded target} (no "spec" for draft none)."""
+    from specmoe import LLM
+    sched = {"max_num_seqs": max(cfg.concurrency),
+             "max_num_batched_tokens": cfg.max_num_batched_tokens,
+             "num_kv_blocks": cfg.num_kv_blocks}
+    plain = LLM(cfg.model, dtype=cfg.dtype, quantization=cfg.quantization, seed=cfg.seed,
+                scheduler=sched)
+    engines = {"plain": plain}
+    if cfg.draft != "none":
+        spec = {"method": "ngram"} if cfg.draft == "ngram" else {
+            "method": "draft", "draft_model": cfg.draft,
+            "draft_quantization": cfg.draft_quantization}
+        engines["spec"] = plain.with_speculative(
+            spec | {"num_speculative_tokens": cfg.num_speculative_tokens})
+    return engines
+
+
+def run_once(llm, prompts: list[dict], concurrency: int, max_tokens: int,
+             num_requests: int = 1) -> dict:
+    """One run at `concurrency` (see `waves_for`), timed from the first submission to the
+    last finish.
+
+    Returns the run's raw figures: wall seconds, output tokens, tokens/s, every request
+    (latency from its wave's submission to its finish, time to first token, decode
+    tokens/s), every step (`STEP_FIELDS`), the engine's statistics over the run and its
+    prefix-cache hit rate.
+    """
+    from specmoe.engine.stats import EngineStats
+    core = llm.engine
+    core.stats = EngineStats()
+    kv = core.scheduler.kv_cache
+    kv.reset_prefix_cache()
+    prefix = kv.block_pool.prefix_cache_stats
+    queried, hit = prefix.num_query_tokens, prefix.num_hit_tokens
+    steps: list[list] = []
+    core.step = _timed_step(core, steps)  # instance attribute shadows the method
+    try:
+        t0 = time.perf_counter()
+        requests = [row for wave in waves_for(len(prompts), concurrency, num_requests)
+                    for row in _run_wave(llm, prompts, wave, max_tokens)]
+        wall = time.perf_counter() - t0
+    finally:
+        del core.step
+    queried = prefix.num_query_tokens - queried
+    hit_rate = (prefix.num_hit_tokens - hit) / queried if queried else 0.0
+    num_tokens = sum(r["num_tokens"] for r in requests)
+    return {"concurrency": concurrency, "num_waves": -(-len(requests) // concurrency),
+            "wall_seconds": wall, "num_output_tokens": num_tokens,
+            "tokens_per_s": num_tokens / wall, "requests": requests, "steps": steps,
+            "engine_stats": core.stats.to_dict(prefix_cache_hit_rate=hit_rate)}
+
+
+def _run_wave(llm, prompts: list[dict], indices: list[int], max_tokens: int) -> list[dict]:
+    from specmoe.sampling_params import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    finished_at: dict[str, float] = {}
+    t0 = time.perf_counter()
+    outs = llm.generate([prompts[i]["token_ids"] for i in indices], params,
+                        on_finish=lambda o: finished_at.setdefault(o.request_id,
+                                                                   time.perf_counter()))
+    return [_request_row(o, i, finished_at[o.request_id] - t0) for o, i in zip(outs, indices)]
+
+
+def _timed_step(core, steps: list[list]):
+    step = core.step
+
+    def timed():
+        num_steps = core.stats.num_steps
+        t = time.perf_counter()
+        out = step()
+        seconds = time.perf_counter() - t
+        last = core.stats.last_step
+        if core.stats.num_steps > num_steps and last is not None:
+            steps.append([round(seconds, 5), last.num_scheduled_requests,
+                          last.num_scheduled_tokens, last.num_draft_tokens,
+                          last.num_preempted])
+        return out
+    return timed
+
+
+def _request_row(out, prompt_index: int, latency: float) -> dict:
+    m = out.metrics
+    return {"prompt_index": prompt_index, "num_prompt_tokens": len(out.prompt_token_ids),
+            "num_tokens": len(out.token_ids), "finish_reason": out.finish_reason,
+            "latency_s": latency, "first_token_s": m.first_token_time_s,
+            "decode_tokens_per_s": m.decode_tokens_per_s(len(out.token_ids))}
+
+
+def run_sweep(cfg: ThroughputBenchConfig, engines: dict, prompts: list[dict]) -> list[dict]:
+    """Every repetition x concurrency x mode (plain then spec), with a progress bar in
+    output tokens. A run that raises is kept with its "error" and the sweep goes on."""
+    from rich.progress import Progress
+    runs = []
+    total = cfg.reps * len(cfg.modes) * cfg.max_tokens * sum(
+        max(c, cfg.num_requests) for c in cfg.concurrency)
+    with Progress() as progress:
+        task = progress.add_task("bench throughput", total=total)
+        for rep in range(cfg.reps):
+            for c in cfg.concurrency:
+                for mode in cfg.modes:
+                    progress.update(task, description=f"rep {rep + 1} C={c} {mode}")
+                    try:
+                        run = run_once(engines[mode], prompts, c, cfg.max_tokens,
+                                       cfg.num_requests)
+                    except Exception as exc:  # noqa: BLE001 - kept in the report
+                        run = {"concurrency": c, "error": f"{type(exc).__name__}: {exc}"}
+                    runs.append({"mode": mode, "rep": rep} | run)
+                    progress.advance(task, max(c, cfg.num_requests) * cfg.max_tokens)
+    return runs
+
+
+def warm_up(engines: dict, prompts: list[dict]) -> None:
+    """One short untimed batch per engine (first-call allocations, lazy imports)."""
+    from specmoe.sampling_params import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for llm in engines.values():
+        llm.generate([p["token_ids"] for p in prompts[:2]], params)
+
+
+def run_throughput_bench(cfg: ThroughputBenchConfig) -> dict:
+    """Run everything `cfg` asks for; returns the JSON-ready results."""
+    import torch
+    if cfg.num_threads is not None:
+        torch.set_num_threads(cfg.num_threads)
+    t0 = time.perf_counter()
+    env = {"torch_num_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+           "load_average_start": os.getloadavg()[0], "torch_version": torch.__version__}
+    engines = build_engines(cfg)
+    load_s = time.perf_counter() - t0
+    prompts = build_prompts(cfg, engines["plain"])
+    warm_up(engines, prompts)
+    runs = run_sweep(cfg, engines, prompts)
+    env["load_average_end"] = os.getloadavg()[0]
+    rows = aggregate(runs)
+    return {"config": dataclasses.asdict(cfg), "environment": env, "load_seconds": load_s,
+            "prompts": [{k: p[k] for k in ("dataset", "category")}
+                        | {"num_tokens": len(p["token_ids"])} for p in prompts],
+            "rows": rows, "ratios": ratios(runs),
+            "target": target_line(runs, cfg.target_concurrency, cfg.target_ratio),
+            "slowest_steps": slowest_steps(runs), "runs": runs,
+            "total_seconds": time.perf_counter() - t0}
+
+
+# ---------------------------------------------------------------- aggregation (pure)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100) with linear interpolation between order statistics."""
+    if not values:
+        return float("nan")
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def aggregate(runs: list[dict]) -> list[dict]:
+    """One row per (concurrency, mode) over its repetitions: tokens/s (each, min, median),
+    latency (mean, p50, p90 over every request of every repetition), mean time to first
+    token, mean per-request decode tokens/s, engine counters, acceptance statistics, step
+    times, the share of step time in steps that carry prompt tokens, and (plain only)
+    decode-only tokens/s over the steps without prompt tokens, with its ratio to the
+    smallest C's (decode_only_scaling). Runs with an error only count in num_errors."""
+    keyed: dict[tuple, list[dict]] = {}
+    for r in runs:
+        keyed.setdefault((r["concurrency"], r["mode"]), []).append(r)
+    rows = [_row(c, mode, rs) for (c, mode), rs in sorted(
+        keyed.items(), key=lambda kv: (kv[0][0], MODES.index(kv[0][1])))]
+    base = next((r.get("decode_only_tokens_per_s") for r in rows if r["mode"] == "plain"), None)
+    for r in rows:
+        if base and r.get("decode_only_tokens_per_s"):
+            r["decode_only_scaling"] = r["decode_only_tokens_per_s"] / base
+    return rows
+
+
+def _row(concurrency: int, mode: str, runs: list[dict]) -> dict:
+    ok = [r for r in runs if "error" not in r]
+    row = {"concurrency": concurrency, "mode": mode, "num_reps": len(ok),
+           "num_errors": len(runs) - len(ok)}
+    if not ok:
+        return row
+    tps = [r["tokens_per_s"] for r in ok]
+    reqs = [q for r in ok for q in r["requests"]]
+    lat = [q["latency_s"] for q in reqs]
+    stats = [r["engine_stats"] for r in ok]
+    spec = [s["spec_decode"] for s in stats]
+    drafts = sum(s["num_drafts"] for s in spec)
+    drafted = sum(s["num_draft_tokens"] for s in spec)
+    accepted = sum(s["num_accepted_tokens"] for s in spec)
+    step_s = [s[0] for r in ok for s in r["steps"]]
+    decode = [s for r in ok for s in r["steps"] if is_decode_step(s)]
+    decode_s = sum(s[0] for s in decode)
+    return row | {
+        "tokens_per_s": tps, "tokens_per_s_min": min(tps),
+        "tokens_per_s_median": statistics.median(tps), "tokens_per_s_max": max(tps),
+        "wall_seconds_median": statistics.median(r["wall_seconds"] for r in ok),
+        "latency_mean_s": statistics.fmean(lat), "latency_p50_s": percentile(lat, 50),
+        "latency_p90_s": percentile(lat, 90),
+        "first_token_mean_s": statistics.fmean(q["first_token_s"] for q in reqs),
+        "decode_tokens_per_s_mean": statistics.fmean(q["decode_tokens_per_s"] for q in reqs),
+        "mean_batch_size": statistics.fmean(s["mean_batch_size"] for s in stats),
+        "max_batch_size": max(s["max_batch_size"] for s in stats),
+        "num_preemptions": sum(s["num_preemptions"] for s in stats),
+        "max_kv_blocks_used": max(s["max_kv_blocks_used"] for s in stats),
+        "prefix_cache_hit_rate": statistics.fmean(s.get("prefix_cache_hit_rate", 0.0)
+                                                  for s in stats),
+        "num_steps_mean": statistics.fmean(s["num_steps"] for s in stats),
+        "step_seconds_median": percentile(step_s, 50),
+        "step_seconds_max": max(step_s) if step_s else float("nan"),
+        "decode_step_seconds_median": percentile([s[0] for s in decode], 50),
+        "prefill_time_share": 1 - decode_s / sum(step_s) if step_s else 0.0,
+        # Plain steps emit one token per request; speculative ones an unrecorded number.
+        "decode_only_tokens_per_s": sum(s[1] for s in decode) / decode_s
+        if mode == "plain" and decode_s else None,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0}
+
+
+def is_decode_step(step: list) -> bool:
+    """A step with no prompt tokens: every request computed its last token and its drafts."""
+    _, num_requests, num_tokens, num_drafts, _ = step
+    return num_tokens == num_requests + num_drafts
+
+
+def _tps_by_rep(runs: list[dict]) -> dict[tuple, float]:
+    return {(r["rep"], r["concurrency"], r["mode"]): r["tokens_per_s"]
+            for r in runs if "error" not in r}
+
+
+def _paired(tps: dict[tuple, float], num: tuple, den: tuple) -> list[float]:
+    """Per repetition: tokens/s of key `num` (concurrency, mode) over that of `den`."""
+    reps = sorted({k[0] for k in tps})
+    return [tps[(rep, *num)] / tps[(rep, *den)] for rep in reps
+            if (rep, *num) in tps and (rep, *den) in tps]
+
+
+def _summary(values: list[float]) -> dict:
+    if not values:
+        return {"median": None, "min": None, "max": None, "each": []}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "each": values}
+
+
+def ratios(runs: list[dict]) -> dict:
+    """Ratios within each repetition, summarised over repetitions (median, min, max):
+    scaling[mode][str(C)] = tokens/s of mode at C / plain tokens/s at the smallest C;
+    speedup[str(C)] = speculative tokens/s / plain tokens/s at C (keys are strings, as in
+    the JSON file)."""
+    tps = _tps_by_rep(runs)
+    cs = sorted({k[1] for k in tps})
+    modes = [m for m in MODES if any(k[2] == m for k in tps)]
+    if not cs:
+        return {"baseline_concurrency": None, "scaling": {}, "speedup": {}}
+    base = (cs[0], "plain")
+    return {"baseline_concurrency": cs[0],
+            "scaling": {m: {str(c): _summary(_paired(tps, (c, m), base)) for c in cs}
+                        for m in modes},
+            "speedup": {str(c): _summary(_paired(tps, (c, "spec"), (c, "plain")))
+                        for c in cs}
+            if "spec" in modes else {}}
+
+
+def target_line(runs: list[dict], concurrency: int = 16, required: float = 6.0) -> dict:
+    """Whether plain tokens/s at `concurrency` >= `required` x plain tokens/s at C=1 (median
+    of the per-repetition ratios); is_met None when C=1 or `concurrency` was not run."""
+    text = (f"at {concurrency} concurrent requests, total tokens/s >= {required:g}x the "
+            "single-request rate without speculation")
+    tps = _tps_by_rep(runs)
+    plain = _summary(_paired(tps, (concurrency, "plain"), (1, "plain")))
+    spec = _summary(_paired(tps, (concurrency, "spec"), (1, "plain")))
+    ratio = plain["median"]
+    return {"text": text, "concurrency": concurrency, "required_ratio": required,
+            "ratio": ratio, "ratio_min": plain["min"], "ratio_max": plain["max"],
+            "spec_ratio": spec["median"],
+            "is_met": None if ratio is None else ratio >= required}
+
+
+def slowest_steps(runs: list[dict], n: int = 5) -> list[dict]:
+    """The n slowest engine steps of all runs, with their run and step counters."""
+    steps = [dict(zip(STEP_FIELDS, s)) | {"mode": r["mode"], "rep": r["rep"],
+                                          "concurrency": r["concurrency"], "step_index": i}
+             for r in runs if "error" not in r for i, s in enumerate(r["steps"])]
+    return sorted(steps, key=lambda s: -s["seconds"])[:n]

@@ -1,0 +1,217 @@
+"""Writing `specmoe bench throughput` results: JSON, a Markdown report and a PNG plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def write_report(results: dict, out_dir: Path) -> list[Path]:
+    """results.json, report.md and throughput_vs_concurrency.png in out_dir."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "results.json", out_dir / "report.md"]
+    paths[0].write_text(json.dumps(results, indent=1))
+    paths[1].write_text(markdown(results))
+    paths.append(plot(results, out_dir / "throughput_vs_concurrency.png"))
+    return paths
+
+
+def markdown(results: dict) -> str:
+    cfg, env = results["config"], results["environment"]
+    spec = "n-gram" if cfg["draft"] == "ngram" else f"draft {cfg['draft']}"
+    title = f"# Throughput: {cfg['model']}, plain" + (
+        "" if cfg["draft"] == "none" else f" vs {spec} (K={cfg['num_speculative_tokens']})")
+    lines = [title, "",
+             f"{cfg['dtype']}, greedy, {cfg['max_tokens']} tokens per request (EOS ignored), "
+             f"prompts from {', '.join(cfg['datasets'])} (chat template; lengths "
+             f"{_lengths(results['prompts'])} tokens); a run at C < {cfg['num_requests']} "
+             f"processes the same {cfg['num_requests']} requests in waves of C, a run at a "
+             f"larger C one wave of C; {cfg['reps']} repetitions of the sweep (plain then "
+             f"speculative at each C); max_num_batched_tokens "
+             f"{cfg['max_num_batched_tokens']}; torch "
+             f"threads {env['torch_num_threads']} of {env['cpu_count']} CPUs, load average "
+             f"{env['load_average_start']:.1f} -> {env['load_average_end']:.1f}; total "
+             f"{results['total_seconds'] / 60:.1f} min.", "",
+             target_sentence(results["target"]), "",
+             *[line for c in caveats(results) for line in (f"**Caveat**: {c}.", "")],
+             "## Throughput and latency", "", *throughput_table(results), "",
+             "Ratios are taken within each repetition and summarised by their median; "
+             "latencies run from the submission of a request's wave to its finish, over the "
+             "requests of every repetition; TTFT is time to first token.", "",
+             "## Engine under load", "", *engine_table(results["rows"]), "",
+             "Decode steps carry no prompt tokens; the prefill share is the time in the other "
+             "steps. Decode-only tok/s (plain) counts one token per request over the decode "
+             "steps, with its ratio to the smallest C: the scaling with prefill set aside.",
+             "",
+             "## Slowest steps", "", *slowest_table(results["slowest_steps"])]
+    errors = [r for r in results["runs"] if "error" in r]
+    if errors:
+        lines += ["", "## Errors", ""] + [f"- rep {r['rep']} C={r['concurrency']} "
+                                          f"{r['mode']}: {r['error']}" for r in errors]
+    return "\n".join(lines) + "\n"
+
+
+def caveats(results: dict) -> list[str]:
+    """Reasons not to trust the ratios: a busy machine (load average before the run plus
+    our torch threads above the CPU count), repetitions that disagree by more than 30%."""
+    env, out = results["environment"], []
+    busy = env["load_average_start"] + env["torch_num_threads"]
+    if busy > env["cpu_count"] + 0.5:
+        out.append(f"the machine was busy (load average {env['load_average_start']:.1f} "
+                   f"before the run, plus {env['torch_num_threads']} torch threads, on "
+                   f"{env['cpu_count']} CPUs); oversubscribed threads slow the small steps "
+                   "of low concurrency most, which distorts the scaling ratios: rerun on idle "
+                   "cores" + (", or with --threads 1" if env["torch_num_threads"] > 1 else ""))
+    noisy = [f"C={r['concurrency']} {r['mode']} "
+             f"({r['tokens_per_s_max'] / r['tokens_per_s_min']:.1f}x)"
+             for r in results["rows"] if r["num_reps"] > 1
+             and r["tokens_per_s_max"] > 1.3 * r["tokens_per_s_min"]]
+    if noisy:
+        out.append("repetitions disagree by more than 30% (max / min tokens/s) at "
+                   + ", ".join(noisy))
+    return out
+
+
+def target_sentence(target: dict) -> str:
+    if target["is_met"] is None:
+        return f"**Target** ({target['text']}): not evaluated (C=1 or C=" \
+               f"{target['concurrency']} was not run)."
+    verdict = "MET" if target["is_met"] else "NOT MET"
+    line = (f"**Target** ({target['text']}): **{verdict}**: {target['ratio']:.2f}x "
+            f"(repetitions {target['ratio_min']:.2f}x-{target['ratio_max']:.2f}x)")
+    if target["spec_ratio"] is not None:
+        line += f"; with speculation {target['spec_ratio']:.2f}x"
+    return line + "."
+
+
+def throughput_table(results: dict) -> list[str]:
+    ratios = results["ratios"]
+    base = ratios["baseline_concurrency"]
+    out = [f"| C | mode | tok/s median | tok/s min | x plain C={base} | spec / plain | "
+           "latency mean (s) | p50 (s) | p90 (s) | TTFT mean (s) | decode tok/s per request |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results["rows"]:
+        c, mode = r["concurrency"], r["mode"]
+        if not r["num_reps"]:
+            out.append(f"| {c} | {mode} | failed ({r['num_errors']} errors) |" + " |" * 8)
+            continue
+        scaling = _fmt_ratio(ratios["scaling"].get(mode, {}).get(str(c)))
+        speedup = _fmt_ratio(ratios["speedup"].get(str(c))) if mode == "spec" else ""
+        out.append(f"| {c} | {mode} | {r['tokens_per_s_median']:.2f} | "
+                   f"{r['tokens_per_s_min']:.2f} | {scaling} | {speedup} | "
+                   f"{r['latency_mean_s']:.2f} | {r['latency_p50_s']:.2f} | "
+                   f"{r['latency_p90_s']:.2f} | {r['first_token_mean_s']:.2f} | "
+                   f"{r['decode_tokens_per_s_mean']:.2f} |")
+    return out
+
+
+def engine_table(rows: list[dict]) -> list[str]:
+    out = ["| C | mode | steps | batch mean | batch max | preemptions | KV blocks peak | "
+           "prefix-cache hits | prefill share of time | decode step median (ms) | "
+           "step max (ms) | decode-only tok/s | acceptance length | acceptance rate |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if not r["num_reps"]:
+            continue
+        out.append(f"| {r['concurrency']} | {r['mode']} | {r['num_steps_mean']:.0f} | "
+                   f"{r['mean_batch_size']:.1f} | {r['max_batch_size']} | "
+                   f"{r['num_preemptions']} | {r['max_kv_blocks_used']} | "
+                   f"{100 * r.get('prefix_cache_hit_rate', 0.0):.0f}% | "
+                   f"{100 * r.get('prefill_time_share', 0.0):.0f}% | "
+                   f"{1e3 * r.get('decode_step_seconds_median', float('nan')):.0f} | "
+                   f"{1e3 * r['step_seconds_max']:.0f} | {_decode_only(r)} | "
+                   f"{r['mean_acceptance_length']:.2f} | {r['acceptance_rate']:.2f} |")
+    return out
+
+
+def slowest_table(steps: list[dict]) -> list[str]:
+    out = ["| ms | C | mode | rep | step | batch | tokens | drafts | preempted |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for s in steps:
+        out.append(f"| {1e3 * s['seconds']:.0f} | {s['concurrency']} | {s['mode']} | "
+                   f"{s['rep'] + 1} | {s['step_index']} | {s['num_scheduled_requests']} | "
+                   f"{s['num_scheduled_tokens']} | {s['num_draft_tokens']} | "
+                   f"{s['num_preempted']} |")
+    return out
+
+
+def _decode_only(row: dict) -> str:
+    tps = row.get("decode_only_tokens_per_s")
+    if tps is None:
+        return ""
+    scaling = row.get("decode_only_scaling")
+    return f"{tps:.1f}" + (f" ({scaling:.2f}x)" if scaling is not None else "")
+
+
+def _lengths(prompts: list[dict]) -> str:
+    lengths = sorted(p["num_tokens"] for p in prompts)
+    return f"{lengths[0]}-{lengths[-1]}, median {lengths[len(lengths) // 2]}"
+
+
+def _fmt_ratio(summary: dict | None) -> str:
+    if not summary or summary["median"] is None:
+        return "-"
+    return f"{summary['median']:.2f}x"
+
+
+def plot(results: dict, path: Path) -> Path:
+    """Left: tokens/s against concurrency per mode (median, min as a lower mark), with
+    linear scaling from plain C=1 and the target point; right: speculative / plain."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in results["rows"] if r["num_reps"]]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for mode in ("plain", "spec"):
+        pts = [(r["concurrency"], r["tokens_per_s_median"], r["tokens_per_s_min"])
+               for r in rows if r["mode"] == mode]
+        if pts:
+            cs, med, low = zip(*pts)
+            line, = ax.plot(cs, med, marker="o", label=f"{mode} (median)")
+            ax.scatter(cs, low, marker="_", color=line.get_color(), label=f"{mode} (min)")
+    base = next((r for r in rows if r["mode"] == "plain"
+                 and r["concurrency"] == results["ratios"]["baseline_concurrency"]), None)
+    if base is not None:
+        cs = sorted({r["concurrency"] for r in rows})
+        ax.plot(cs, [base["tokens_per_s_median"] * c / base["concurrency"] for c in cs],
+                color="grey", ls=":", lw=0.8, label="linear scaling")
+    t = results["target"]
+    if base is not None and base["concurrency"] == 1:
+        ax.scatter([t["concurrency"]], [t["required_ratio"] * base["tokens_per_s_median"]],
+                   marker="*", s=120, color="red", zorder=3,
+                   label=f"target {t['required_ratio']:g}x at C={t['concurrency']}")
+    _concurrency_axis(ax, rows)
+    _log_y(ax)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("total output tokens/s")
+    ax.legend(fontsize=7)
+    speed = sorted((int(c), s["median"]) for c, s in results["ratios"]["speedup"].items()
+                   if s["median"] is not None)
+    if speed:
+        ax2.plot(*zip(*speed), marker="o", color="C1")
+    ax2.axhline(1.0, color="grey", lw=0.8, ls="--")
+    _concurrency_axis(ax2, rows)
+    ax2.set_xlabel("concurrent requests")
+    ax2.set_ylabel("speculative / plain tokens/s")
+    fig.suptitle(results["config"]["model"], fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _concurrency_axis(ax, rows: list[dict]) -> None:
+    """Log2 x axis labelled with the concurrencies that were run."""
+    cs = sorted({r["concurrency"] for r in rows})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(cs, [str(c) for c in cs])
+    ax.minorticks_off()
+
+
+def _log_y(ax) -> None:
+    """Log y axis with ticks at 1, 2, 5 x 10^n labelled as plain numbers."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())

@@ -1,0 +1,190 @@
+"""`specmoe bench throughput` bookkeeping on hand-made runs: per-(C, mode) rows, ratios
+within each repetition, the target line, the report and its plot (no model)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specmoe.bench.throughput import (STEP_FIELDS, ThroughputBenchConfig, _round_robin,
+                                      aggregate, is_decode_step, percentile, ratios, slowest_steps,
+                                      target_line, waves_for)
+from specmoe.bench.throughput_report import caveats, markdown, target_sentence, write_report
+from specmoe.utils.data import Prompt
+
+
+def _run(rep, c, mode, tps, latencies=None, drafts=0, accepted=0, preempted=0,
+         step_seconds=(0.1, 0.2), prefill_seconds=None):
+    latencies = latencies or [1.0] * c
+    num_tokens = 8 * c
+    return {
+        "mode": mode, "rep": rep, "concurrency": c, "wall_seconds": num_tokens / tps,
+        "num_output_tokens": num_tokens, "tokens_per_s": tps,
+        "requests": [{"prompt_index": i, "num_prompt_tokens": 10, "num_tokens": 8,
+                      "finish_reason": "length", "latency_s": lat, "first_token_s": lat / 4,
+                      "decode_tokens_per_s": 7 / (lat * 3 / 4)}
+                     for i, lat in enumerate(latencies)],
+        "steps": ([[prefill_seconds, c, 100 * c, 0, 0]] if prefill_seconds else [])
+        + [[s, c, c, 0, 0] for s in step_seconds],
+        "engine_stats": {"num_steps": len(step_seconds), "mean_batch_size": c * 0.9,
+                         "max_batch_size": c, "num_scheduled_tokens": 0,
+                         "num_preemptions": preempted, "max_kv_blocks_used": 3 * c,
+                         "prefix_cache_hit_rate": 0.1 * rep,
+                         "spec_decode": {"num_drafts": drafts, "num_draft_tokens": 4 * drafts,
+                                         "num_accepted_tokens": accepted},
+                         "last_step": None}}
+
+
+@pytest.fixture
+def runs():
+    # Rep 0 is a fast machine, rep 1 a slow one (all figures halved): ratios within a
+    # repetition must not see the drift.
+    out = []
+    for rep, f in ((0, 1.0), (1, 0.5)):
+        out += [_run(rep, 1, "plain", 10 * f, latencies=[2.0]),
+                _run(rep, 1, "spec", 15 * f, latencies=[1.0], drafts=10, accepted=20),
+                _run(rep, 16, "plain", 70 * f, latencies=[float(i) for i in range(1, 17)],
+                     preempted=1, prefill_seconds=1.0),
+                _run(rep, 16, "spec", 56 * f, latencies=[3.0] * 16, drafts=40, accepted=20,
+                     step_seconds=(0.3, 2.5 if rep else 0.4))]
+    return out
+
+
+def _row(rows, c, mode):
+    return next(r for r in rows if r["concurrency"] == c and r["mode"] == mode)
+
+
+def test_percentile_interpolates():
+    assert percentile([3.0, 1.0, 2.0, 4.0], 50) == pytest.approx(2.5)
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 90) == pytest.approx(4.6)
+    assert percentile([7.0], 90) == 7.0
+
+
+def test_aggregate_rows(runs):
+    rows = aggregate(runs)
+    assert [(r["concurrency"], r["mode"]) for r in rows] == [
+        (1, "plain"), (1, "spec"), (16, "plain"), (16, "spec")]
+    p16 = _row(rows, 16, "plain")
+    assert p16["tokens_per_s"] == [70, 35]
+    assert (p16["tokens_per_s_min"], p16["tokens_per_s_median"]) == (35, 52.5)
+    assert p16["latency_mean_s"] == pytest.approx(8.5)   # 1..16, pooled over both reps
+    assert p16["latency_p50_s"] == pytest.approx(8.5)
+    assert p16["latency_p90_s"] == pytest.approx(percentile(list(range(1, 17)) * 2, 90))
+    assert p16["first_token_mean_s"] == pytest.approx(8.5 / 4)
+    assert p16["num_preemptions"] == 2
+    assert p16["max_kv_blocks_used"] == 48
+    assert p16["mean_batch_size"] == pytest.approx(14.4)
+    assert p16["prefix_cache_hit_rate"] == pytest.approx(0.05)
+    # Prefill steps (prompt tokens) are set aside by the decode-only figures.
+    assert p16["prefill_time_share"] == pytest.approx(2.0 / 2.6)
+    assert p16["decode_step_seconds_median"] == pytest.approx(0.15)
+    assert p16["decode_only_tokens_per_s"] == pytest.approx(64 / 0.6)
+    assert p16["decode_only_scaling"] == pytest.approx(16.0)
+    assert _row(rows, 1, "plain")["prefill_time_share"] == 0.0
+    s16 = _row(rows, 16, "spec")
+    assert s16["decode_only_tokens_per_s"] is None and "decode_only_scaling" not in s16
+    assert s16["mean_acceptance_length"] == pytest.approx(1 + 40 / 80)
+    assert s16["acceptance_rate"] == pytest.approx(40 / 320)
+    assert s16["step_seconds_max"] == 2.5
+    assert _row(rows, 1, "plain")["mean_acceptance_length"] == 1.0
+
+
+def test_ratios_are_paired_within_repetitions(runs):
+    r = ratios(runs)
+    assert r["baseline_concurrency"] == 1
+    assert r["scaling"]["plain"]["16"]["each"] == pytest.approx([7.0, 7.0])
+    assert r["scaling"]["spec"]["1"]["median"] == pytest.approx(1.5)
+    assert r["speedup"]["16"]["median"] == pytest.approx(0.8)
+    assert r["speedup"]["1"]["min"] == pytest.approx(1.5)
+
+
+def test_target_line(runs):
+    t = target_line(runs, 16, 6.0)
+    assert t["is_met"] is True and t["ratio"] == pytest.approx(7.0)
+    assert t["spec_ratio"] == pytest.approx(5.6)
+    assert target_line(runs, 16, 8.0)["is_met"] is False
+    assert target_line(runs, 32, 6.0)["is_met"] is None
+    assert "NOT MET" in target_sentence(target_line(runs, 16, 8.0))
+    assert "not evaluated" in target_sentence(target_line(runs, 32, 6.0))
+
+
+def test_errors_are_counted_not_aggregated(runs):
+    runs = runs + [{"mode": "plain", "rep": 2, "concurrency": 16, "error": "RuntimeError: x"}]
+    row = _row(aggregate(runs), 16, "plain")
+    assert (row["num_reps"], row["num_errors"]) == (2, 1)
+    assert ratios(runs)["scaling"]["plain"]["16"]["each"] == pytest.approx([7.0, 7.0])
+
+
+def test_slowest_steps(runs):
+    top = slowest_steps(runs, n=2)
+    assert [s["seconds"] for s in top] == [2.5, 1.0]
+    assert set(STEP_FIELDS) <= set(top[0])
+    assert (top[0]["concurrency"], top[0]["mode"], top[0]["rep"]) == (16, "spec", 1)
+
+
+def test_is_decode_step():
+    assert is_decode_step([0.1, 4, 4, 0, 0])
+    assert is_decode_step([0.1, 4, 20, 16, 0])       # last token + 4 drafts each
+    assert not is_decode_step([0.1, 4, 300, 0, 0])   # a prompt chunk in the batch
+
+
+def test_prompt_helpers():
+    assert waves_for(8, 1, 3) == [[0], [1], [2]]          # C < num_requests: waves
+    assert waves_for(8, 2, 5) == [[0, 1], [2, 3], [4]]
+    assert waves_for(8, 4, 4) == [[0, 1, 2, 3]]
+    assert waves_for(3, 7, 2) == [[0, 1, 2, 0, 1, 2, 0]]   # prompts cycled
+    ps = [Prompt("x", c, f"{c}{i}") for c in "ab" for i in range(3)]
+    assert [p.text for p in _round_robin(ps, 4)] == ["a0", "b0", "a1", "b1"]
+    assert len(_round_robin(ps, 10)) == 6
+
+
+def test_config_validation():
+    assert ThroughputBenchConfig(concurrency=[4, 1, 4]).concurrency == [1, 4]
+    assert ThroughputBenchConfig(draft="none").modes == ["plain"]
+    with pytest.raises(ValueError, match="concurrency"):
+        ThroughputBenchConfig(concurrency=[0])
+    with pytest.raises(ValueError, match="datasets"):
+        ThroughputBenchConfig(datasets=["nope"])
+    with pytest.raises(ValueError, match="reps"):
+        ThroughputBenchConfig(reps=0)
+
+
+def _results(runs):
+    import dataclasses
+    return {"config": dataclasses.asdict(ThroughputBenchConfig()),
+            "environment": {"torch_num_threads": 2, "cpu_count": 2,
+                            "load_average_start": 1.0, "load_average_end": 2.0},
+            "load_seconds": 1.0, "prompts": [{"dataset": "mt_bench", "category": "writing",
+                                              "num_tokens": 10}],
+            "rows": aggregate(runs), "ratios": ratios(runs),
+            "target": target_line(runs), "slowest_steps": slowest_steps(runs),
+            "runs": runs, "total_seconds": 60.0}
+
+
+def test_markdown_and_files(runs, tmp_path):
+    runs = runs + [{"mode": "spec", "rep": 0, "concurrency": 32, "error": "RuntimeError: boom"}]
+    results = _results(runs)
+    md = markdown(results)
+    assert "**MET**: 7.00x" in md
+    assert "| 16 | plain | 52.50 | 35.00 | 7.00x |  |" in md
+    assert "| 16 | spec | 42.00 | 28.00 | 5.60x | 0.80x |" in md
+    assert "| 32 | spec | failed (1 errors) |" in md
+    assert "- rep 0 C=32 spec: RuntimeError: boom" in md
+    paths = write_report(results, tmp_path / "out")
+    assert [p.name for p in paths] == ["results.json", "report.md",
+                                       "throughput_vs_concurrency.png"]
+    assert all(p.stat().st_size > 0 for p in paths)
+    reloaded = json.loads(paths[0].read_text())
+    assert markdown(reloaded) == md  # the report can be rebuilt from the JSON file
+
+
+def test_caveats(runs):
+    results = _results(runs)  # load 1.0 + 2 threads on 2 CPUs; reps differ by 2x
+    busy, noisy = caveats(results)
+    assert "machine was busy" in busy and "--threads 1" in busy
+    assert "C=1 plain (2.0x)" in noisy and "C=16 spec (2.0x)" in noisy
+    assert "**Caveat**: the machine was busy" in markdown(results)
+    quiet = _results([r for r in runs if r["rep"] == 0])
+    quiet["environment"] |= {"load_average_start": 0.2, "torch_num_threads": 1}
+    assert caveats(quiet) == []
