@@ -9,7 +9,8 @@ sequence i computes positions [start_pos_i, start_pos_i + num_tokens_i) and atte
 
 Two kinds of sequence, split once per forward by `AttentionMetadata.build`:
 - few query tokens (decode, verification of K drafts: at most `MAX_DECODE_QUERY` tokens):
-  gathered into one padded batch [num_seqs, max_query, ...] attended by one SDPA call;
+  gathered into padded batches [num_seqs, max_query, ...] of similar context length (so
+  padding at most doubles the keys/values read), one SDPA call per batch;
 - many query tokens (a prefill chunk): one fused SDPA call per sequence.
 
 The same code serves one sequence alone, so batch size 1 is not a separate path. Source: the
@@ -26,6 +27,10 @@ import torch.nn.functional as F
 
 # Sequences with at most this many query tokens are attended in the padded decode batch.
 MAX_DECODE_QUERY = 16
+# A decode batch pads every sequence to its longest context; a sequence shorter than this
+# fraction of the batch's longest starts another batch, so padding at most doubles the keys
+# and values gathered.
+MIN_DECODE_FILL = 0.5
 
 
 @dataclass(slots=True)
@@ -87,13 +92,13 @@ class AttentionMetadata:
     Attributes:
         num_tokens: rows of the flattened batch.
         slot_mapping: [num_tokens] int64 cache slot each new token's key/value is written to.
-        decode: the padded batch of few-query sequences, or None.
+        decodes: padded batches of few-query sequences of similar context length.
         prefills: the many-query sequences.
     """
 
     num_tokens: int
     slot_mapping: torch.Tensor
-    decode: DecodeGroup | None
+    decodes: list[DecodeGroup]
     prefills: list[PrefillSequence]
 
     @classmethod
@@ -121,13 +126,26 @@ class AttentionMetadata:
         token_starts = torch.cumsum(counts, 0) - counts  # [B]
         small = [i for i, s in enumerate(seqs) if s.num_tokens <= MAX_DECODE_QUERY]
         large = [i for i, s in enumerate(seqs) if s.num_tokens > MAX_DECODE_QUERY]
-        decode = None
-        if small:
-            decode = _decode_group(torch.tensor(small), starts, counts, token_starts, tables,
-                                   block_size, sliding_window, device)
+        decodes = [_decode_group(torch.tensor(group), starts, counts, token_starts, tables,
+                                 block_size, sliding_window, device)
+                   for group in _length_groups(small, seqs)]
         prefills = [_prefill_sequence(seqs[i], int(token_starts[i]), tables[i], block_size,
                                       sliding_window, device) for i in large]
-        return cls(int(counts.sum()), slot_mapping.to(device), decode, prefills)
+        return cls(int(counts.sum()), slot_mapping.to(device), decodes, prefills)
+
+
+def _length_groups(indices: list[int], seqs: list[SequenceSlice]) -> list[list[int]]:
+    """`indices` split into groups of similar context length (longest first): a sequence
+    joins the current group while its length is >= MIN_DECODE_FILL x the group's longest."""
+    groups: list[list[int]] = []
+    longest = 0
+    for i in sorted(indices, key=lambda i: -(seqs[i].start_pos + seqs[i].num_tokens)):
+        length = seqs[i].start_pos + seqs[i].num_tokens
+        if not groups or length < MIN_DECODE_FILL * longest:
+            groups.append([])
+            longest = length
+        groups[-1].append(i)
+    return groups
 
 
 def _block_tables(seqs: list[SequenceSlice]) -> torch.Tensor:
@@ -217,8 +235,8 @@ def paged_attention(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]
     """
     num_tokens, num_heads, head_dim = q.shape
     out = q.new_empty(num_tokens, num_heads * head_dim)
-    if meta.decode is not None:
-        out[meta.decode.token_index] = _attend_decode(q, kv_cache, meta.decode, scale)
+    for group in meta.decodes:
+        out[group.token_index] = _attend_decode(q, kv_cache, group, scale)
     for seq in meta.prefills:
         rows = slice(seq.token_start, seq.token_start + seq.num_tokens)
         out[rows] = _attend_prefill(q[rows], kv_cache, seq, scale)
@@ -235,10 +253,12 @@ def _attend_decode(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
     batch, t = group.kv_index.shape[0], group.max_query
     q_pad = q.new_zeros(batch * t, num_heads, head_dim)
     q_pad[group.padded_index] = q[group.token_index]
+    slots = group.kv_index.view(-1)  # [B * L]
+    k = k_cache.index_select(0, slots).view(batch, -1, *k_cache.shape[1:])  # [B, L, kv, hd]
+    v = v_cache.index_select(0, slots).view(batch, -1, *v_cache.shape[1:])
     out = F.scaled_dot_product_attention(
         q_pad.view(batch, t, num_heads, head_dim).transpose(1, 2),  # [B, heads, t, hd]
-        k_cache[group.kv_index].transpose(1, 2),  # [B, kv_heads, L, hd]
-        v_cache[group.kv_index].transpose(1, 2),
+        k.transpose(1, 2), v.transpose(1, 2),  # [B, kv_heads, L, hd]
         attn_mask=group.mask[:, None], scale=scale,
         enable_gqa=num_heads != k_cache.shape[1])  # [B, heads, t, hd]
     return out.transpose(1, 2).reshape(batch * t, num_heads * head_dim)[group.padded_index]
