@@ -178,10 +178,11 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             req = self.running[index]
-            gap = req.all_token_ids[req.num_computed_tokens:]
+            token_ids = req.all_token_ids  # a fresh list: build it once per request per step
+            gap = token_ids[req.num_computed_tokens:]
             chunk = gap[:budget]
             drafts = req.spec_token_ids[:budget - len(chunk)] if len(chunk) == len(gap) else []
-            block_ids = self._allocate_or_preempt(req, chunk, drafts, out)
+            block_ids = self._allocate_or_preempt(req, token_ids, chunk, drafts, out)
             if block_ids is None:  # req itself was preempted
                 break
             out.scheduled.append(self._scheduled(req, chunk, drafts, block_ids))
@@ -189,14 +190,14 @@ class Scheduler:
             index += 1
         return budget
 
-    def _allocate_or_preempt(self, req: Request, chunk: list[int], drafts: list[int],
-                             out: SchedulerOutput) -> list[int] | None:
+    def _allocate_or_preempt(self, req: Request, token_ids: list[int], chunk: list[int],
+                             drafts: list[int], out: SchedulerOutput) -> list[int] | None:
         """Allocate slots for chunk + drafts, preempting the newest requests as needed;
         returns req's block table, or None if req itself had to be preempted. Trims drafts
         in place when they are dropped."""
         while True:
             new_blocks = self.kv_cache.allocate_slots(
-                req.request_id, req.all_token_ids, len(chunk), len(drafts),
+                req.request_id, token_ids, len(chunk), len(drafts),
                 num_computed_tokens=req.num_computed_tokens)
             if new_blocks is not None:
                 return self.kv_cache.get_block_ids(req.request_id)
