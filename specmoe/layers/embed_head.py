@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specmoe.layers.linear import Linear
+from specmoe.layers.linear import Linear, linear
 
 
 class VocabEmbedding(nn.Module):
@@ -32,7 +32,9 @@ class TiedProjection(nn.Module):
         return self._embedding[0].weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)
+        """hidden [T, H] -> [T, vocab_size] in hidden's dtype (through `layers.linear.linear`,
+        so decode-sized bf16 inputs on CPU take the native kernel)."""
+        return linear(hidden, self.weight)
 
 
 class LMHead(nn.Module):

@@ -6,6 +6,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specmoe.kernels import try_linear_bf16
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ weight^T (+ bias): x [..., in], weight [out, in], bias [out] -> [..., out].
+
+    Decode-sized bf16 inputs on CPU (at most `specmoe.kernels.MAX_ROWS` rows) take the native
+    kernel, which reads the weight once for all rows at close to memory bandwidth; everything
+    else, and the kernel switched off, takes the reference `F.linear`. Raises what
+    `F.linear` raises on mismatched shapes.
+    """
+    y = try_linear_bf16(x, weight, bias)
+    return F.linear(x, weight, bias) if y is None else y
+
 
 class Linear(nn.Module):
     """y = x @ W^T (+ b).
@@ -26,5 +41,9 @@ class Linear(nn.Module):
                 self.bias.shard_sizes = sizes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [num_tokens, in_features] -> [num_tokens, out_features]."""
+        """x: [num_tokens, in_features] -> [num_tokens, out_features], x's dtype."""
+        return linear(x, self.weight, self.bias)
+
+    def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
+        """Plain-torch reference of `forward`."""
         return F.linear(x, self.weight, self.bias)

@@ -1,0 +1,91 @@
+"""Compile the C kernels at first use and load them with ctypes.
+
+The shared object is built with `gcc -O3 -march=native -fopenmp -shared -fPIC` into
+`$SPECMOE_KERNEL_DIR` (default `~/.cache/specmoe/kernels`) under a name hashed from the
+source, the flags, the compiler version, this CPU's feature flags and the torch version, so
+an edit, another compiler or another machine sharing the folder gets its own build. It is
+written to a temporary name and renamed, so concurrent processes never load a half-written
+file.
+
+torch is imported first: its wheel loads its own `libgomp.so.1`, and the kernel's reference
+to that soname then resolves to the same OpenMP runtime (one thread pool, no
+oversubscription).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+KERNEL_DIR_ENV = "SPECMOE_KERNEL_DIR"
+DEFAULT_KERNEL_DIR = "~/.cache/specmoe/kernels"
+CFLAGS = ("-O3", "-march=native", "-std=c11", "-fopenmp", "-shared", "-fPIC")
+SOURCE_DIR = Path(__file__).resolve().parent
+
+
+class KernelBuildError(RuntimeError):
+    """The compiler is missing or rejected the source (message holds its output)."""
+
+
+def kernel_dir() -> Path:
+    """The cache folder: `$SPECMOE_KERNEL_DIR`, else `~/.cache/specmoe/kernels`."""
+    return Path(os.environ.get(KERNEL_DIR_ENV) or DEFAULT_KERNEL_DIR).expanduser()
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _compiler_version(cc: str) -> str:
+    out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+    return out.stdout.splitlines()[0] if out.stdout else ""
+
+
+def build(source: str, extra_flags: tuple[str, ...] = ()) -> Path:
+    """Path of the shared object for `source` (a .c file in this package), compiling it if
+    the cache has none.
+
+    Raises:
+        KernelBuildError: gcc (or `$CC`) is missing, fails or times out.
+    """
+    cc = shutil.which(os.environ.get("CC", "gcc"))
+    if cc is None:
+        raise KernelBuildError(f"no C compiler: {os.environ.get('CC', 'gcc')!r} not on PATH")
+    src = SOURCE_DIR / source
+    flags = CFLAGS + tuple(extra_flags)
+    key = hashlib.sha256("\0".join([src.read_text(), " ".join(flags), _compiler_version(cc),
+                                     _cpu_flags(), torch.__version__]).encode())
+    out = kernel_dir() / f"{src.stem}-{key.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        res = subprocess.run([cc, *flags, "-o", tmp, str(src)], capture_output=True,
+                             text=True, timeout=300)
+        if res.returncode != 0:
+            raise KernelBuildError(f"{cc} failed on {src.name}: {res.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)
+    except subprocess.TimeoutExpired as exc:
+        raise KernelBuildError(f"{cc} timed out on {src.name}") from exc
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def load(source: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """Build (if needed) and load `source`. Raises KernelBuildError or OSError."""
+    return ctypes.CDLL(str(build(source, extra_flags)))

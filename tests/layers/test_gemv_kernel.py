@@ -1,0 +1,134 @@
+"""The native bf16 linear kernel agrees with F.linear in fp32, and falls back where it must."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specmoe import kernels
+from specmoe.kernels import gemv
+from specmoe.kernels.build import KernelBuildError
+from specmoe.layers.embed_head import TiedProjection, VocabEmbedding
+from specmoe.layers.linear import Linear, linear
+
+# (in_features, out_features): K tails (not a multiple of 32), odd and tiny outputs, and
+# Qwen2.5-1.5B-like widths.
+SHAPES = [(1, 7), (31, 3), (32, 1), (33, 5), (100, 37), (200, 19), (64, 129), (1536, 2048),
+          (8960, 50)]
+
+
+@pytest.fixture
+def enabled():
+    """The kernel, switched on for one test (skips where it cannot be built)."""
+    reason = kernels.kernel_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"CPU bf16 kernel unavailable: {reason}")
+    was = kernels.is_enabled()
+    kernels.set_enabled(True)
+    yield
+    kernels.set_enabled(was)
+
+
+def _inputs(t: int, k: int, n: int, bias: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, k, generator=g).bfloat16()  # [T, in]
+    w = torch.randn(n, k, generator=g).bfloat16()  # [out, in]
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    return x, w, b
+
+
+def _assert_matches_fp32(y: torch.Tensor, x, w, b) -> None:
+    """y (bf16) against the fp32 reference: within bf16 rounding of the output (one ulp
+    relative, 2^-8) plus fp32 summation-order noise."""
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert y.dtype == torch.bfloat16 and y.shape == ref.shape
+    torch.testing.assert_close(y.float(), ref, rtol=2 ** -8, atol=1e-3 * x.shape[-1] ** 0.5)
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_matches_fp32_reference(enabled, k, n, bias):
+    for t in range(1, kernels.MAX_ROWS + 1):
+        x, w, b = _inputs(t, k, n, bias, seed=t)
+        y = kernels.try_linear_bf16(x, w, b)
+        assert y is not None, f"T={t} took the fallback"
+        _assert_matches_fp32(y, x, w, b)
+
+
+def test_fma_variant_matches_reference(enabled):
+    """The build without AVX512-BF16 (shift + FMA) agrees too."""
+    try:
+        kernel = gemv.load_kernel(("-mno-avx512bf16",))
+    except KernelBuildError as exc:
+        pytest.skip(f"FMA variant not buildable: {exc}")
+    assert kernel.library.specmoe_gemv_isa() == 1
+    for t in (1, 5, 9, 16):
+        x, w, b = _inputs(t, 200, 37, bias=True, seed=t)
+        _assert_matches_fp32(gemv.run_kernel(kernel, x, w, b), x, w, b)
+
+
+def test_leading_dims_and_thread_counts(enabled):
+    """Rows split among threads (at multiples of 12, single rows at the end) and x with
+    leading dimensions."""
+    was = torch.get_num_threads()
+    try:
+        for t, threads in [(1, 1), (1, 2), (6, 1), (6, 2), (6, 3)]:
+            x, w, b = _inputs(t, 1001, 301, bias=True)
+            torch.set_num_threads(threads)
+            y = kernels.try_linear_bf16(x.view(1, t, 1001), w, b)  # [1, T, out]
+            assert y.shape == (1, t, 301)
+            _assert_matches_fp32(y.view(t, 301), x, w, b)
+    finally:
+        torch.set_num_threads(was)
+
+
+def test_fallback_for_unsupported_inputs(enabled):
+    x, w, b = _inputs(4, 64, 16, bias=True)
+    big, _, _ = _inputs(kernels.MAX_ROWS + 1, 64, 16, bias=False)
+    cases = {
+        "float32": (x.float(), w.float(), b.float()),
+        "float32 bias": (x, w, b.float()),
+        "too many rows": (big, w, None),
+        "no rows": (x[:0], w, None),
+        "non-contiguous x": (x.t().contiguous().t(), w, None),
+        "non-contiguous weight": (x, torch.cat([w, w], 1)[:, ::2], None),
+        "shape mismatch": (x[:, :32], w, None),
+    }
+    for name, (xi, wi, bi) in cases.items():
+        assert kernels.try_linear_bf16(xi, wi, bi) is None, name
+    with torch.enable_grad():
+        assert kernels.try_linear_bf16(x, w.requires_grad_(), b) is None
+    w.requires_grad_(False)
+    kernels.set_enabled(False)
+    assert kernels.try_linear_bf16(x, w, b) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_tensors_take_f_linear(enabled):
+    x, w, b = (t.cuda() for t in _inputs(2, 64, 16, bias=True))
+    assert kernels.try_linear_bf16(x, w, b) is None
+    assert linear(x, w, b).device.type == "cuda"
+
+
+def test_linear_and_tied_head_route_through_kernel(enabled):
+    torch.manual_seed(0)
+    layer = Linear(96, [40, 24], bias=True).bfloat16()
+    torch.nn.init.normal_(layer.weight), torch.nn.init.normal_(layer.bias)
+    emb = VocabEmbedding(50, 96).bfloat16()
+    torch.nn.init.normal_(emb.weight)
+    head = TiedProjection(emb)
+    x = torch.randn(5, 96).bfloat16()
+    with torch.inference_mode():
+        _assert_matches_fp32(layer(x), x, layer.weight, layer.bias)
+        _assert_matches_fp32(head(x), x, emb.weight, None)
+        kernels.set_enabled(False)
+        assert torch.equal(layer(x), layer.forward_reference(x))
+        assert torch.equal(head(x), F.linear(x, emb.weight))
+
+
+def test_one_openmp_runtime(enabled):
+    """The kernel shares torch's libgomp (no second thread pool)."""
+    with open("/proc/self/maps") as f:
+        paths = {line.split()[-1] for line in f if "libgomp" in line}
+    assert len(paths) <= 1, paths
