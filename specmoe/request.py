@@ -52,10 +52,22 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     num_speculative_tokens: int = 0
     num_preemptions: int = 0
+    _all_token_ids: list[int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._all_token_ids = self.prompt_token_ids + self.output_token_ids
+
+    def append_output_tokens(self, token_ids: list[int]) -> None:
+        """Emit tokens: the only way to add to `output_token_ids` (keeps `all_token_ids`
+        in step without copying the prompt each time)."""
+        self.output_token_ids.extend(token_ids)
+        self._all_token_ids.extend(token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt then output token ids: one list kept up to date, not a copy (read it,
+        never modify it)."""
+        return self._all_token_ids
 
     @property
     def num_tokens(self) -> int:

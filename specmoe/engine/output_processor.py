@@ -35,7 +35,7 @@ class OutputProcessor:
             the number of tokens kept (a prefix of `token_ids`).
         """
         for i, token in enumerate(token_ids):
-            req.output_token_ids.append(token)
+            req.append_output_tokens([token])
             if logprobs is not None:
                 req.output_logprobs.append(logprobs[i])
             self._check_stop(req, token)

@@ -178,7 +178,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             req = self.running[index]
-            token_ids = req.all_token_ids  # a fresh list: build it once per request per step
+            token_ids = req.all_token_ids
             gap = token_ids[req.num_computed_tokens:]
             chunk = gap[:budget]
             drafts = req.spec_token_ids[:budget - len(chunk)] if len(chunk) == len(gap) else []

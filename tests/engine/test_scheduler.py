@@ -82,7 +82,8 @@ class FakeEngine:
                 if draft != emitted[-1]:
                     break
             num_rejected[s.request_id] = len(drafts) + 1 - len(emitted)
-            req.output_token_ids += emitted[:req.params.max_tokens - len(req.output_token_ids)]
+            req.append_output_tokens(
+                emitted[:req.params.max_tokens - len(req.output_token_ids)])
             if len(req.output_token_ids) == req.params.max_tokens:
                 req.finish_reason = "length"
             sampled.append(req)
@@ -252,7 +253,7 @@ def test_preemption_recomputes_the_newest_request_and_keeps_its_output():
     assert out.scheduled[1].num_draft_tokens == 0  # b dropped its own drafts to fit
     assert out.preempted_request_ids == []
     assert b.spec_token_ids  # fresh drafts pending
-    b_tokens = b.all_token_ids
+    b_tokens = list(b.all_token_ids)
     out = engine.step()
     assert out.preempted_request_ids == ["b"] and [s.request_id for s in out.scheduled] == ["a"]
     assert (b.status, b.num_computed_tokens, b.spec_token_ids) == (
