@@ -1,4 +1,4 @@
-"""The `specmoe` command line: `generate`, `demo` and `models` (install, list)."""
+"""The `specmoe` command line: `generate`, `demo`, `serve`, `bench` and `models` (install, list)."""
 
 from __future__ import annotations
 
@@ -70,9 +70,64 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_args(demo, default_draft="ngram")
     demo.add_argument("--num-prompts", type=int, default=5)
     demo.add_argument("--max-tokens", type=int, default=128)
+    add_serve_parser(sub)
     add_models_parser(sub)
     add_bench_parser(sub)
     return parser
+
+
+def add_serve_parser(sub) -> None:
+    from specmoe.entrypoints.openai.api_server import API_KEY_ENV, ServeConfig
+    d = ServeConfig()
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server with Prometheus metrics")
+    add_model_args(serve)
+    add_spec_args(serve)
+    serve.add_argument("--host", default=d.host, help="bind address (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=d.port, help="(default: %(default)s)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the `model` clients pass (default: the --model value)")
+    serve.add_argument("--api-key", default=None,
+                       help=f"require 'Authorization: Bearer KEY' on every route but /health "
+                            f"(default: ${API_KEY_ENV} if set, else none)")
+    serve.add_argument("--max-waiting", type=int, default=d.max_waiting,
+                       help="requests that may wait for a slot before new ones get HTTP 429 "
+                            "(default: %(default)s)")
+    serve.add_argument("--max-num-seqs", type=int, default=None,
+                       help="requests running at once (default: the scheduler's)")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="tokens per engine step (default: the scheduler's)")
+    serve.add_argument("--num-kv-blocks", type=int, default=None,
+                       help="target KV cache blocks (default: sized by the engine)")
+    serve.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
+                       help="seconds in-flight requests get to finish after SIGTERM "
+                            "(default: %(default)s)")
+    serve.add_argument("--threads", type=int, default=None,
+                       help="torch intra-op threads (default: torch's)")
+    serve.add_argument("--log-level", default=d.log_level,
+                       choices=["critical", "error", "warning", "info", "debug"])
+
+
+def cmd_serve(args) -> None:
+    import logging
+
+    from specmoe import LLM
+    from specmoe.entrypoints.openai.api_server import ServeConfig, run_server
+    cfg = ServeConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
+                      api_key=args.api_key, max_waiting=args.max_waiting,
+                      drain_timeout_s=args.drain_timeout, log_level=args.log_level)
+    if cfg.max_waiting < 1:
+        raise ValueError(f"invalid --max-waiting={cfg.max_waiting}: must be >= 1")
+    if args.threads is not None:
+        import torch
+        torch.set_num_threads(args.threads)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    scheduler = {k: v for k, v in {"max_num_seqs": args.max_num_seqs,
+                                   "max_num_batched_tokens": args.max_num_batched_tokens,
+                                   "num_kv_blocks": args.num_kv_blocks}.items() if v is not None}
+    llm = LLM(args.model, speculative=speculative_from_args(args), dtype=args.dtype,
+              device=args.device, max_model_len=args.max_model_len,
+              quantization=args.quantization, scheduler=scheduler)
+    run_server(llm, args.model, cfg)
 
 
 def add_bench_parser(sub) -> None:
@@ -99,6 +154,7 @@ def add_bench_parser(sub) -> None:
                            "GGUF file; install it with `make peers`)")
     spec.add_argument("--out", default="out/bench_spec", help="report directory")
     add_bench_throughput_parser(bench)
+    add_bench_serve_parser(bench)
 
 
 def add_bench_throughput_parser(bench) -> None:
@@ -133,6 +189,60 @@ def add_bench_throughput_parser(bench) -> None:
                          "other jobs, 1 avoids oversubscribed threads)")
     tp.add_argument("--out", default=None,
                     help="report directory (default: out/throughput-<date>-<time>)")
+
+
+def add_bench_serve_parser(bench) -> None:
+    from specmoe.bench.serve import ServeBenchConfig
+    d = ServeBenchConfig()
+    sv = bench.add_parser("serve", help="HTTP load generator for an OpenAI-compatible server")
+    sv.add_argument("--base-url", default=d.base_url, help="API root (default: %(default)s)")
+    sv.add_argument("--model", default=None, help="model name (default: the server's first)")
+    sv.add_argument("--api-key", default=None, help="bearer token (default: $SPECMOE_API_KEY)")
+    sv.add_argument("--endpoint", default=d.endpoint, choices=["chat", "completions"])
+    sv.add_argument("--datasets", default=",".join(d.datasets),
+                    help="prompt sets to cycle through (default: %(default)s)")
+    sv.add_argument("--num-requests", type=int, default=d.num_requests,
+                    help="requests to send (default: %(default)s)")
+    sv.add_argument("--duration", type=float, default=None,
+                    help="send for this many seconds instead of --num-requests (soak)")
+    sv.add_argument("--request-rate", type=float, default=d.request_rate,
+                    help="mean requests/s, Poisson arrivals (default: inf, as fast as "
+                         "--concurrency allows)")
+    sv.add_argument("--concurrency", type=int, default=d.concurrency,
+                    help="requests in flight at most (default: %(default)s)")
+    sv.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    sv.add_argument("--temperature", type=float, default=d.temperature)
+    sv.add_argument("--ignore-eos", action="store_true",
+                    help="send ignore_eos (our server, vLLM): every request gives max_tokens")
+    sv.add_argument("--slo-ttft", type=float, default=d.slo_ttft_s,
+                    help="goodput TTFT limit in s (default: %(default)s)")
+    sv.add_argument("--slo-tpot", type=float, default=d.slo_tpot_s,
+                    help="goodput TPOT limit in s (default: %(default)s)")
+    sv.add_argument("--seed", type=int, default=d.seed)
+    sv.add_argument("--out", default=None,
+                    help="report directory (default: out/bench-serve-<date>-<time>)")
+
+
+def cmd_bench_serve(args) -> int:
+    import os
+    import time
+    from pathlib import Path
+
+    from specmoe.bench.serve import ServeBenchConfig, render_markdown, run_serve_bench, write_report
+    cfg = ServeBenchConfig(
+        base_url=args.base_url.rstrip("/"), model=args.model,
+        api_key=args.api_key or os.environ.get("SPECMOE_API_KEY"), endpoint=args.endpoint,
+        datasets=[d for d in args.datasets.split(",") if d], num_requests=args.num_requests,
+        duration_s=args.duration, request_rate=args.request_rate,
+        concurrency=args.concurrency, max_tokens=args.max_tokens,
+        temperature=args.temperature, ignore_eos=args.ignore_eos, slo_ttft_s=args.slo_ttft,
+        slo_tpot_s=args.slo_tpot, seed=args.seed)
+    results = run_serve_bench(cfg)
+    out = Path(args.out or f"out/bench-serve-{time.strftime('%Y%m%d-%H%M')}")
+    print(render_markdown(results))
+    for path in write_report(results, out):
+        print(path)
+    return 1 if results["summary"]["num_5xx"] else 0
 
 
 def cmd_bench_throughput(args) -> None:
@@ -242,8 +352,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             cmd_generate(args)
+        elif args.command == "serve":
+            cmd_serve(args)
         elif args.command == "bench" and args.bench == "throughput":
             cmd_bench_throughput(args)
+        elif args.command == "bench" and args.bench == "serve":
+            return cmd_bench_serve(args)
         elif args.command == "bench":
             cmd_bench_spec(args)
         elif args.command == "demo":

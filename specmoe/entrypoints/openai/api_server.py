@@ -1,0 +1,275 @@
+"""The OpenAI-compatible HTTP server: FastAPI app factory and uvicorn runner.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (both stream as server-sent events
+ending in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus).
+
+- An optional API key (`api_key`, or $SPECMOE_API_KEY in `specmoe serve`) is required as
+  `Authorization: Bearer <key>` on every route except /health (401 otherwise).
+- Every error is answered with OpenAI's body {"error": {"message", "type", "param", "code"}}:
+  400 for a bad field (named in `param`) or a prompt too long for the context, 404 for an
+  unknown model or route, 429 when the waiting queue is full, 503 while shutting down.
+- Graceful shutdown: the first SIGTERM or SIGINT stops admissions (503; /health answers 503
+  so a load balancer drains the instance), lets in-flight requests finish for up to
+  `drain_timeout_s` seconds, then exits with status 0; a second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specmoe.engine.async_engine import AsyncEngine
+from specmoe.entrypoints.openai import protocol as P
+from specmoe.entrypoints.openai.metrics import ServerMetrics
+from specmoe.entrypoints.openai.serving import APIError, OpenAIServing
+
+logger = logging.getLogger("specmoe.server")
+API_KEY_ENV = "SPECMOE_API_KEY"
+
+
+@dataclass
+class ServerState:
+    """What the routes and the middleware share.
+
+    Attributes:
+        api_key: required bearer token (None: open).
+        is_draining: shutdown has begun; generation routes answer 503.
+        num_in_flight: generation requests (HTTP) being served, streaming included.
+    """
+
+    engine: AsyncEngine
+    serving: OpenAIServing
+    metrics: ServerMetrics
+    api_key: str | None = None
+    drain_timeout_s: float = 30.0
+    is_draining: bool = False
+    num_in_flight: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def build_app(llm, served_model_name: str, api_key: str | None = None,
+              max_waiting: int = 256, drain_timeout_s: float = 30.0) -> FastAPI:
+    """A FastAPI app serving `llm` (specmoe.LLM). Starts its engine thread on startup and
+    stops it on shutdown.
+
+    Args:
+        served_model_name: the `model` clients must pass.
+        api_key: bearer token required on every route but /health (None: no key).
+        max_waiting: requests that may wait for a slot before new ones get 429.
+        drain_timeout_s: seconds in-flight requests get to finish on shutdown.
+    Raises:
+        ValueError: max_waiting < 1.
+    """
+    metrics = ServerMetrics(served_model_name)
+    metrics.attach_expert_load(llm.target.model)
+    engine = AsyncEngine(llm, max_waiting=max_waiting, observer=metrics)
+    state = ServerState(engine, OpenAIServing(engine, served_model_name), metrics, api_key,
+                        drain_timeout_s)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        state.is_draining = True
+        await engine.shutdown(timeout_s=0.0)
+
+    app = FastAPI(title="specmoe", lifespan=lifespan)
+    app.state.specmoe = state
+    _add_routes(app, state)
+    _add_error_handlers(app)
+    app.add_middleware(GuardMiddleware, state=state)
+    return app
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    serving = state.serving
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if state.is_draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        state.metrics.in_flight.labels(serving.model_name).set(state.num_in_flight)
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        card = P.ModelCard(id=serving.model_name, max_model_len=serving.llm.max_model_len)
+        return JSONResponse(P.ModelList(data=[card]).model_dump())
+
+    @app.post("/v1/completions")
+    async def completions(body: P.CompletionRequest, raw: HTTPRequest):
+        return await serving.completions(body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: P.ChatCompletionRequest, raw: HTTPRequest):
+        return await serving.chat_completions(body, raw)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_, exc: RequestValidationError) -> JSONResponse:
+        return validation_api_error(exc.errors()).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(_, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+
+
+def validation_api_error(errors: list[dict]) -> APIError:
+    """A 400 naming the first invalid field (dotted path), its value and the rule broken."""
+    err = errors[0]
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    # union members add their type name to the path; drop those segments
+    loc = [x for x in loc if not (x in {"str", "int", "list[str]", "list[int]",
+                                        "list[list[int]]", "list[TextPart]", "StreamOptions"}
+                                  or x.startswith(("function-", "json-")))]
+    if err.get("type") == "json_invalid":
+        return APIError(400, f"invalid JSON body: {err.get('msg')}", None)
+    param = ".".join(loc) or None
+    msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+    if param is None:
+        return APIError(400, f"invalid request body: {msg}", None)
+    value = err.get("input")
+    shown = "" if err.get("type") == "missing" else f"={value!r}"[:200]
+    return APIError(400, f"invalid {param}{shown}: {msg}", param)
+
+
+class GuardMiddleware:
+    """API key check, 503 while draining, in-flight count and per-status counts of /v1
+    responses (pure ASGI, so streaming responses are counted until their last byte)."""
+
+    def __init__(self, app, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        state, path = self.state, scope["path"]
+        if path.startswith("/v1/"):
+            send = self._counting(send)
+        if path != "/health" and state.api_key and not self._authorized(scope):
+            return await self._reject(send, APIError(
+                401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                None, "invalid_api_key"))
+        is_generation = path.startswith("/v1/") and scope["method"] == "POST"
+        if is_generation and state.is_draining:
+            return await self._reject(send, APIError(503, "the server is shutting down", None,
+                                                     "shutting_down"))
+        if not is_generation:
+            return await self.app(scope, receive, send)
+        state.num_in_flight += 1
+        state.idle.clear()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            state.num_in_flight -= 1
+            if state.num_in_flight == 0:
+                state.idle.set()
+
+    def _authorized(self, scope) -> bool:
+        headers = dict(scope.get("headers") or [])
+        given = headers.get(b"authorization", b"").decode("latin-1")
+        expected = f"Bearer {self.state.api_key}"
+        return hmac.compare_digest(given.encode(), expected.encode())
+
+    def _counting(self, send):
+        counter = self.state.metrics.http_responses
+
+        async def wrapped(message) -> None:
+            if message["type"] == "http.response.start":
+                counter.labels(str(message["status"])).inc()
+            await send(message)
+        return wrapped
+
+    @staticmethod
+    async def _reject(send, error: APIError) -> None:
+        response = error.response()
+        await send({"type": "http.response.start", "status": response.status_code,
+                    "headers": response.raw_headers})
+        await send({"type": "http.response.body", "body": response.body})
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with a graceful first signal: stop admissions, wait for in-flight
+    requests (up to the state's drain timeout), then exit normally (status 0)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Future | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.state.is_draining or self._loop is None:
+            self.should_exit = self.force_exit = True
+            return
+        logger.info("signal %s: draining (up to %.0f s), then exiting", sig,
+                    self.state.drain_timeout_s)
+        self.state.is_draining = True
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        state = self.state
+        state.engine.stop_accepting()
+        try:
+            if state.num_in_flight:
+                await asyncio.wait_for(state.idle.wait(), state.drain_timeout_s)
+        except asyncio.TimeoutError:
+            logger.warning("drain timeout: %d requests still in flight are aborted",
+                           state.num_in_flight)
+        self.should_exit = True
+
+
+@dataclass
+class ServeConfig:
+    """Options of `specmoe serve` (see the CLI for their meaning)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_waiting: int = 256
+    drain_timeout_s: float = 30.0
+    log_level: str = "info"
+
+
+def run_server(llm, model_name: str, cfg: ServeConfig) -> None:
+    """Serve `llm` until a signal; returns after a graceful drain."""
+    api_key = cfg.api_key or os.environ.get(API_KEY_ENV) or None
+    app = build_app(llm, cfg.served_model_name or model_name, api_key, cfg.max_waiting,
+                    cfg.drain_timeout_s)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                            timeout_graceful_shutdown=5, access_log=False)
+    DrainingServer(config, app.state.specmoe).run()

@@ -1,0 +1,178 @@
+"""Prometheus metrics of the server, in a per-app registry (several apps in one process do not
+clash). Names follow vLLM's (`vllm:` -> `specmoe:`) where vLLM has one.
+
+Gauges: specmoe:num_requests_running, specmoe:num_requests_waiting, specmoe:kv_cache_usage_perc,
+specmoe:kv_cache_blocks_used, specmoe:kv_cache_blocks_total, specmoe:num_requests_in_flight.
+Counters (exposed with a `_total` suffix): specmoe:prefix_cache_queries / _hits (tokens),
+specmoe:num_preemptions, specmoe:prompt_tokens, specmoe:generation_tokens,
+specmoe:request_success{finished_reason}, specmoe:spec_decode_num_drafts,
+specmoe:spec_decode_num_draft_tokens, specmoe:spec_decode_num_accepted_tokens,
+specmoe:spec_decode_num_accepted_tokens_per_pos{position}, specmoe:engine_step_failures,
+specmoe:http_responses{status} and, for MoE targets, specmoe:moe_expert_load{layer,expert}
+(tokens routed to each expert). Histograms (seconds): specmoe:time_to_first_token_seconds,
+specmoe:time_per_output_token_seconds, specmoe:e2e_request_latency_seconds. Plus the standard
+process_* collector (resident memory, CPU seconds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
+                               generate_latest)
+
+from specmoe.engine.async_engine import EngineSnapshot, FinishedRecord, NullEngineObserver
+from specmoe.layers.moe.backends import moe_blocks, set_expert_stats
+
+P = "specmoe:"
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                2.5, 5.0)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 240.0, 480.0)
+
+
+class ExpertLoadRecorder:
+    """Counts, per MoE layer, the tokens routed to each expert (an expert-stats recorder for
+    `set_expert_stats`). Counts stay on the model's device during a step; `take` reads them
+    at the step boundary (the one host sync).
+
+    Args:
+        num_experts: experts per layer (N).
+    """
+
+    def __init__(self, num_experts: int) -> None:
+        self.num_experts = num_experts
+        self._counts: dict[int, torch.Tensor] = {}  # layer -> [num_experts] int64
+
+    def record(self, layer_idx: int, topk_ids: torch.Tensor) -> None:
+        """topk_ids [num_tokens, top_k] int64 of one MoE layer's forward."""
+        counts = torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
+        if layer_idx in self._counts:
+            self._counts[layer_idx] += counts
+        else:
+            self._counts[layer_idx] = counts
+
+    def take(self) -> dict[int, list[int]]:
+        """Counts since the previous call, per layer, and reset."""
+        out = {layer: c.tolist() for layer, c in self._counts.items()}
+        self._counts = {}
+        return out
+
+
+class ServerMetrics(NullEngineObserver):
+    """The server's metrics; an engine observer (called in the engine thread).
+
+    Args:
+        model_name: the served model name (label `model_name` on every engine metric).
+        registry: where to register (default: a new CollectorRegistry).
+    """
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.model_name = model_name
+        self._last: EngineSnapshot | None = None
+        self._last_per_pos: list[int] = []
+        self.expert_load: ExpertLoadRecorder | None = None
+        r, labels = self.registry, ["model_name"]
+        ProcessCollector(registry=r)
+        g = lambda name, doc: Gauge(P + name, doc, labels, registry=r)  # noqa: E731
+        c = lambda name, doc, extra=(): Counter(  # noqa: E731
+            P + name, doc, labels + list(extra), registry=r)
+        self.running = g("num_requests_running", "Requests holding KV cache blocks.")
+        self.waiting = g("num_requests_waiting", "Requests queued, not yet running.")
+        self.in_flight = g("num_requests_in_flight", "HTTP generation requests being served.")
+        self.kv_usage = g("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        self.kv_used = g("kv_cache_blocks_used", "KV cache blocks in use.")
+        self.kv_total = g("kv_cache_blocks_total", "KV cache blocks in the pool.")
+        self.prefix_queries = c("prefix_cache_queries", "Prefix-cache queried tokens.")
+        self.prefix_hits = c("prefix_cache_hits", "Prefix-cache hit tokens.")
+        self.preemptions = c("num_preemptions", "Requests preempted.")
+        self.prompt_tokens = c("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = c("generation_tokens", "Tokens generated.")
+        self.success = c("request_success", "Finished requests.", ["finished_reason"])
+        self.num_drafts = c("spec_decode_num_drafts", "Verification steps with drafts.")
+        self.num_draft_tokens = c("spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.num_accepted = c("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.accepted_per_pos = c("spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted at each draft position.", ["position"])
+        self.step_failures = c("engine_step_failures", "Engine steps that raised.")
+        self.http_responses = Counter(P + "http_responses", "HTTP responses of /v1 routes by status code.",
+                                      ["status"], registry=r)
+        h = lambda name, doc, buckets: Histogram(  # noqa: E731
+            P + name, doc, labels, buckets=buckets, registry=r)
+        self.ttft = h("time_to_first_token_seconds", "Time to first token (s).", TTFT_BUCKETS)
+        self.tpot = h("time_per_output_token_seconds", "Time per output token after the "
+                      "first (s).", TPOT_BUCKETS)
+        self.e2e = h("e2e_request_latency_seconds", "End-to-end request latency (s).",
+                     E2E_BUCKETS)
+        for metric in (self.running, self.waiting, self.in_flight, self.kv_usage, self.kv_used,
+                       self.kv_total, self.prefix_queries, self.prefix_hits, self.preemptions,
+                       self.prompt_tokens, self.generation_tokens, self.num_drafts,
+                       self.num_draft_tokens, self.num_accepted, self.step_failures, self.ttft,
+                       self.tpot, self.e2e):
+            metric.labels(model_name)  # every series is exposed from the start, at 0
+
+    def attach_expert_load(self, model: torch.nn.Module) -> bool:
+        """Count expert load of a MoE target (no-op for a dense one); True when attached."""
+        blocks = moe_blocks(model)
+        if not blocks:
+            return False
+        self.expert_load = ExpertLoadRecorder(blocks[0].experts.num_experts)
+        set_expert_stats(model, self.expert_load)
+        self._expert_counter = Counter(P + "moe_expert_load", "Tokens routed to each expert.",
+                                       ["model_name", "layer", "expert"], registry=self.registry)
+        return True
+
+    def on_step(self, s: EngineSnapshot) -> None:
+        m = self.model_name
+        self.running.labels(m).set(s.num_running)
+        self.waiting.labels(m).set(s.num_waiting)
+        self.kv_used.labels(m).set(s.num_kv_blocks_used)
+        self.kv_total.labels(m).set(s.num_kv_blocks_total)
+        self.kv_usage.labels(m).set(s.num_kv_blocks_used / max(1, s.num_kv_blocks_total))
+        last = self._last
+        self._inc(self.prefix_queries, s.num_prefix_queries, last and last.num_prefix_queries)
+        self._inc(self.prefix_hits, s.num_prefix_hits, last and last.num_prefix_hits)
+        self._inc(self.preemptions, s.num_preemptions, last and last.num_preemptions)
+        self._inc(self.step_failures, s.num_step_failures, last and last.num_step_failures)
+        self._record_spec(s, last)
+        self._last = replace(s, spec=replace(s.spec, num_accepted_per_position=[]))
+        if self.expert_load is not None:
+            for layer, counts in self.expert_load.take().items():
+                for expert, n in enumerate(counts):
+                    if n:
+                        self._expert_counter.labels(m, str(layer), str(expert)).inc(n)
+
+    def _record_spec(self, s: EngineSnapshot, last: EngineSnapshot | None) -> None:
+        spec, prev = s.spec, last.spec if last else None
+        self._inc(self.num_drafts, spec.num_drafts, prev and prev.num_drafts)
+        self._inc(self.num_draft_tokens, spec.num_draft_tokens, prev and prev.num_draft_tokens)
+        self._inc(self.num_accepted, spec.num_accepted_tokens, prev and prev.num_accepted_tokens)
+        per_pos = spec.num_accepted_per_position
+        for pos, n in enumerate(per_pos):
+            before = self._last_per_pos[pos] if pos < len(self._last_per_pos) else 0
+            if n > before:
+                self.accepted_per_pos.labels(self.model_name, str(pos)).inc(n - before)
+        self._last_per_pos = list(per_pos)
+
+    def _inc(self, counter: Counter, value: int, previous: int | None) -> None:
+        delta = value - (previous or 0)
+        if delta > 0:
+            counter.labels(self.model_name).inc(delta)
+
+    def on_finished(self, r: FinishedRecord) -> None:
+        m = self.model_name
+        self.success.labels(m, r.finish_reason).inc()
+        self.prompt_tokens.labels(m).inc(r.num_prompt_tokens)
+        self.generation_tokens.labels(m).inc(r.num_output_tokens)
+        self.e2e.labels(m).observe(r.e2e_s)
+        if r.ttft_s is not None:
+            self.ttft.labels(m).observe(r.ttft_s)
+            if r.num_output_tokens > 1:
+                self.tpot.labels(m).observe((r.e2e_s - r.ttft_s) / (r.num_output_tokens - 1))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

@@ -1,0 +1,85 @@
+"""Server metrics in process: per-layer expert load of a MoE target (a tiny random Mixtral
+saved with transformers), counters from engine snapshots, and per-app registries."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from prometheus_client.parser import text_string_to_metric_families
+
+from specmoe import LLM, SamplingParams
+from specmoe.engine.async_engine import EngineSnapshot, FinishedRecord
+from specmoe.entrypoints.openai.metrics import ServerMetrics
+from specmoe.outputs import SpecDecodeStats
+
+NUM_LAYERS, NUM_EXPERTS, TOP_K = 2, 4, 2
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory) -> LLM:
+    config = transformers.MixtralConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        num_local_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K, bos_token_id=1,
+        eos_token_id=2)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny_mixtral")
+    transformers.MixtralForCausalLM(config).save_pretrained(path)
+    return LLM(str(path), dtype="float32")
+
+
+def _samples(metrics: ServerMetrics, name: str) -> list:
+    return [s for f in text_string_to_metric_families(metrics.render().decode())
+            for s in f.samples if s.name == name]
+
+
+def _snapshot(spec: SpecDecodeStats, used: int = 0) -> EngineSnapshot:
+    return EngineSnapshot(num_running=1, num_waiting=2, num_kv_blocks_used=used,
+                          num_kv_blocks_total=10, num_prefix_queries=32, num_prefix_hits=16,
+                          num_preemptions=0, spec=spec, num_step_failures=0)
+
+
+def test_expert_load_counts_every_routed_token(tiny_moe):
+    metrics = ServerMetrics("tiny")
+    assert metrics.attach_expert_load(tiny_moe.target.model)
+    prompt, max_tokens = [5, 6, 7, 8], 6
+    tiny_moe.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                             ignore_eos=True))
+    metrics.on_step(_snapshot(SpecDecodeStats()))
+    samples = _samples(metrics, "specmoe:moe_expert_load_total")
+    num_forwarded = len(prompt) + max_tokens - 1  # the last token is never fed back
+    for layer in range(NUM_LAYERS):
+        counts = [s.value for s in samples if s.labels["layer"] == str(layer)]
+        assert sum(counts) == TOP_K * num_forwarded
+        assert all(int(s.labels["expert"]) < NUM_EXPERTS for s in samples)
+
+
+def test_dense_model_has_no_expert_load():
+    metrics = ServerMetrics("dense")
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    assert not metrics.attach_expert_load(model)
+    assert _samples(metrics, "specmoe:moe_expert_load_total") == []
+
+
+def test_counters_follow_snapshots_and_registries_are_per_app():
+    a, b = ServerMetrics("m"), ServerMetrics("m")  # two apps in one process do not clash
+    spec = SpecDecodeStats()
+    spec.record(4, 2)
+    a.on_step(_snapshot(spec, used=3))
+    spec.record(4, 4)
+    a.on_step(_snapshot(spec, used=5))
+    a.on_finished(FinishedRecord(10, 5, "length", ttft_s=0.5, e2e_s=1.3))
+
+    def value(m, name, **labels):
+        return sum(s.value for s in _samples(m, name)
+                   if all(s.labels.get(k) == v for k, v in labels.items()))
+    assert value(a, "specmoe:spec_decode_num_draft_tokens_total") == 8
+    assert value(a, "specmoe:spec_decode_num_accepted_tokens_total") == 6
+    assert value(a, "specmoe:spec_decode_num_accepted_tokens_per_pos_total", position="0") == 2
+    assert value(a, "specmoe:spec_decode_num_accepted_tokens_per_pos_total", position="3") == 1
+    assert value(a, "specmoe:kv_cache_blocks_used") == 5
+    assert value(a, "specmoe:prefix_cache_hits_total") == 16
+    assert value(a, "specmoe:time_per_output_token_seconds_sum") == pytest.approx(0.2)
+    assert value(a, "specmoe:request_success_total", finished_reason="length") == 1
+    assert value(b, "specmoe:spec_decode_num_draft_tokens_total") == 0
