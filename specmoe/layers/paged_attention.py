@@ -10,7 +10,8 @@ sequence i computes positions [start_pos_i, start_pos_i + num_tokens_i) and atte
 Two kinds of sequence, split once per forward by `AttentionMetadata.build`:
 - few query tokens (decode, verification of K drafts: at most `MAX_DECODE_QUERY` tokens):
   gathered into padded batches [num_seqs, max_query, ...] of similar context length (so
-  padding at most doubles the keys/values read), one SDPA call per batch;
+  padding at most doubles the keys/values read), attended by float32 matmuls with the query
+  heads of each key/value head stacked (`attend_decode_reference` is the SDPA form);
 - many query tokens (a prefill chunk): one fused SDPA call per sequence.
 
 The same code serves one sequence alone, so batch size 1 is not a separate path. Source: the
@@ -245,9 +246,45 @@ def paged_attention(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]
 
 def _attend_decode(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                    group: DecodeGroup, scale: float) -> torch.Tensor:
-    """[num_rows, q_size]: the padded batch's valid rows (order of group.token_index), by one
-    SDPA call over keys/values gathered through the block tables (measured faster on CPU than
-    explicit matmuls at every batch size tried, 1 to 64)."""
+    """[num_rows, q_size]: the padded batch's valid rows (order of group.token_index).
+
+    Keys/values are gathered through the block tables once per key/value head and the
+    queries of the heads that share one (grouped-query attention) are stacked into the rows
+    of one matmul, in float32: softmax(q k^T * scale + mask) v. On CPU this is ~10x faster
+    than `F.scaled_dot_product_attention` in bfloat16 at 1-16 query rows (whose fused kernel
+    is built for long queries) and as fast in float32; `attend_decode_reference` is the SDPA
+    form it is tested against.
+    """
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache[0].shape[1]
+    group_size = num_heads // num_kv_heads
+    batch, t = group.kv_index.shape[0], group.max_query
+    q_pad = q.new_zeros(batch * t, num_heads, head_dim)
+    q_pad[group.padded_index] = q[group.token_index]
+    q_pad = q_pad.view(batch, t, num_kv_heads, group_size, head_dim).permute(0, 2, 3, 1, 4)
+    q_rows = q_pad.reshape(batch, num_kv_heads, group_size * t, head_dim).float()
+    slots = group.kv_index.view(-1)  # [B * L]
+    k, v = (_gather_heads(cache, slots, batch) for cache in kv_cache)  # [B, kv, L, hd] fp32
+    scores = torch.matmul(q_rows, k.transpose(-1, -2)).mul_(scale)  # [B, kv, g*t, L]
+    scores = scores.view(batch, num_kv_heads, group_size, t, -1)
+    scores.masked_fill_(~group.mask[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(batch, num_kv_heads, group_size * t, -1)
+    out = torch.matmul(probs, v)  # [B, kv, g*t, hd]
+    out = out.view(batch, num_kv_heads, group_size, t, head_dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(batch * t, num_heads * head_dim)[group.padded_index].to(q.dtype)
+
+
+def _gather_heads(cache: torch.Tensor, slots: torch.Tensor, batch: int) -> torch.Tensor:
+    """cache [num_slots, kv_heads, hd] at slots [B * L] -> [B, kv_heads, L, hd] float32,
+    contiguous (the gather, the head-major layout and the cast in two copies)."""
+    rows = cache.index_select(0, slots)  # [B * L, kv_heads, hd]
+    return rows.view(batch, -1, *cache.shape[1:]).transpose(1, 2).to(
+        torch.float32, memory_format=torch.contiguous_format)
+
+
+def attend_decode_reference(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                            group: DecodeGroup, scale: float) -> torch.Tensor:
+    """Plain SDPA reference of `_attend_decode` (same arguments and result)."""
     k_cache, v_cache = kv_cache
     _, num_heads, head_dim = q.shape
     batch, t = group.kv_index.shape[0], group.max_query
