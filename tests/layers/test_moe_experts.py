@@ -21,13 +21,7 @@ HIDDEN = 32
 INTERMEDIATE = 24
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny tensors: intra-op threads only add overhead (and spin-wait on a busy machine)."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _experts(seed: int = 0) -> RoutedExperts:

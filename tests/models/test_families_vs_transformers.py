@@ -78,14 +78,7 @@ CASES = ["llama_tied_llama3_rope", "llama_linear_rope", "mistral_sliding_window"
          "qwen3_moe_no_norm_topk_mlp_only", "olmoe"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models: intra-op threads only add overhead, and on a busy machine their
-    spin-waiting slows these tests by orders of magnitude."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @dataclass

@@ -28,13 +28,7 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models: extra intra-op threads only add overhead on a busy machine."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @dataclass
