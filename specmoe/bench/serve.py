@@ -143,7 +143,8 @@ async def _run(cfg: ServeBenchConfig) -> dict:
         final = await _scrape(client, cfg.base_url)
         if final is not None:
             samples.append({"t_s": time.perf_counter() - t0, **final})
-    return {"config": asdict(cfg) | {"model": model}, "wall_s": wall_s,
+    config = asdict(cfg) | {"model": model, "api_key": "<set>" if cfg.api_key else None}
+    return {"config": config, "wall_s": wall_s,  # the key itself is never written
             "summary": summarize(results, wall_s, cfg),
             "metrics_samples": samples, "requests": [asdict(r) for r in results]}
 
@@ -346,7 +347,8 @@ def _metrics_lines(samples: list[dict]) -> list[str]:
         if name in last:
             lines.append(f"- {name} at the end: {last[name]:.0f}")
     if "http_responses" in last:
-        lines.append(f"- HTTP responses by status: {last['http_responses']}")
+        lines.append("- HTTP responses by status since the server started: "
+                     f"{last['http_responses']}")
     return lines
 
 

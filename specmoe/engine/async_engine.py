@@ -174,6 +174,7 @@ class _Inbox:
     lock: threading.Lock = field(default_factory=threading.Lock)
     new: list[_Tracked] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
+    is_abort_all: bool = False  # abort every request the engine holds
     num_waiting: int = 0  # inbox + the scheduler's waiting queue, updated atomically
     num_free_seqs: int = 0  # running slots free at the last publish (max_num_seqs - running)
     num_in_flight: int = 0  # submitted, final delta or error not yet delivered
@@ -258,6 +259,13 @@ class AsyncEngine:
             self._inbox.aborts.append(request_id)
         self._wakeup.set()
 
+    def abort_all(self) -> None:
+        """Ask the engine thread to abort every request it holds (their streams end with
+        finish_reason "abort"); requests submitted later are not affected."""
+        with self._inbox.lock:
+            self._inbox.is_abort_all = True
+        self._wakeup.set()
+
     async def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop admissions, wait up to `timeout_s` seconds for in-flight requests, abort the
         rest (their streams end with finish_reason "abort") and join the engine thread."""
@@ -296,8 +304,11 @@ class AsyncEngine:
         with self._inbox.lock:
             new, self._inbox.new = self._inbox.new, []
             aborts, self._inbox.aborts = self._inbox.aborts, []
+            is_abort_all, self._inbox.is_abort_all = self._inbox.is_abort_all, False
         for t in new:
             self._add(t)
+        if is_abort_all:
+            aborts = list(self._tracked)
         for request_id in aborts:
             self._abort(request_id, "abort")
         self._publish()

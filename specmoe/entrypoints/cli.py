@@ -16,6 +16,24 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
     p.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="weight-only quantisation of the target's dense projections")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's, one per core; on cores "
+                        "busy with other jobs, 1 avoids spin-waiting threads that can slow "
+                        "decoding by orders of magnitude)")
+
+
+def apply_threads(args) -> None:
+    """Set torch's intra-op thread count from --threads (if given).
+
+    Raises:
+        ValueError: --threads below 1.
+    """
+    if args.threads is None:
+        return
+    if args.threads < 1:
+        raise ValueError(f"invalid --threads={args.threads}: must be >= 1")
+    import torch
+    torch.set_num_threads(args.threads)
 
 
 def add_spec_args(p: argparse.ArgumentParser, default_draft: str | None = None) -> None:
@@ -45,6 +63,7 @@ def speculative_from_args(args) -> dict | None:
 def llm_from_args(args, speculative: dict | None):
     """An LLM built from the model and speculation options of `add_model_args`."""
     from specmoe import LLM
+    apply_threads(args)
     return LLM(args.model, speculative=speculative, dtype=args.dtype, device=args.device,
                max_model_len=args.max_model_len, quantization=args.quantization)
 
@@ -101,8 +120,6 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
                        help="seconds in-flight requests get to finish after SIGTERM "
                             "(default: %(default)s)")
-    serve.add_argument("--threads", type=int, default=None,
-                       help="torch intra-op threads (default: torch's)")
     serve.add_argument("--log-level", default=d.log_level,
                        choices=["critical", "error", "warning", "info", "debug"])
 
@@ -117,9 +134,7 @@ def cmd_serve(args) -> None:
                       drain_timeout_s=args.drain_timeout, log_level=args.log_level)
     if cfg.max_waiting < 1:
         raise ValueError(f"invalid --max-waiting={cfg.max_waiting}: must be >= 1")
-    if args.threads is not None:
-        import torch
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     scheduler = {k: v for k, v in {"max_num_seqs": args.max_num_seqs,
                                    "max_num_batched_tokens": args.max_num_batched_tokens,

@@ -358,3 +358,24 @@ def test_sigterm_finishes_in_flight_then_exits(servers):
     assert chunks[-2].choices[0].finish_reason == "length"
     assert chunks[-1].usage.completion_tokens == 64  # the whole request, not cut short
     assert srv.proc.wait(timeout=60) == 0
+
+
+def test_drain_timeout_aborts_the_rest_cleanly(smollm2):
+    """Past --drain-timeout the requests still running end with finish_reason "abort"
+    (the stream completes normally) and the server exits 0."""
+    srv = Server("--drain-timeout", "1")
+    try:
+        srv.wait_ready()
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0,
+                          timeout=120)
+        stream = c.completions.create(model=MODEL, prompt=REPEAT, max_tokens=400,
+                                      temperature=0, stream=True,
+                                      extra_body={"ignore_eos": True})
+        chunks = [next(iter(stream))]
+        srv.proc.send_signal(signal.SIGTERM)
+        chunks += list(stream)  # ends without a transport error
+        assert chunks[-1].choices[0].finish_reason == "abort"
+        assert sum(len(ch.choices[0].text) for ch in chunks) > 0
+        assert srv.proc.wait(timeout=60) == 0
+    finally:
+        srv.stop()

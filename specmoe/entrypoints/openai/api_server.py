@@ -10,7 +10,8 @@ ending in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus
   unknown model or route, 429 when the waiting queue is full, 503 while shutting down.
 - Graceful shutdown: the first SIGTERM or SIGINT stops admissions (503; /health answers 503
   so a load balancer drains the instance), lets in-flight requests finish for up to
-  `drain_timeout_s` seconds, then exits with status 0; a second signal exits at once.
+  `drain_timeout_s` seconds, aborts the rest (their responses end with finish_reason
+  "abort"), then exits with status 0; a second signal exits at once with status 1.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from specmoe.entrypoints.openai.serving import APIError, OpenAIServing
 
 logger = logging.getLogger("specmoe.server")
 API_KEY_ENV = "SPECMOE_API_KEY"
+ABORT_GRACE_S = 3.0  # seconds aborted requests get to end their responses after the drain
 
 
 @dataclass
@@ -230,8 +232,10 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig, frame) -> None:
         if self.state.is_draining or self._loop is None:
-            self.should_exit = self.force_exit = True
-            return
+            # At once: os._exit, because interpreter shutdown while the engine thread is
+            # inside a torch op ends in std::terminate (SIGABRT).
+            logger.warning("signal %s again: exiting now without draining", sig)
+            os._exit(1)
         logger.info("signal %s: draining (up to %.0f s), then exiting", sig,
                     self.state.drain_timeout_s)
         self.state.is_draining = True
@@ -249,6 +253,12 @@ class DrainingServer(uvicorn.Server):
         except asyncio.TimeoutError:
             logger.warning("drain timeout: %d requests still in flight are aborted",
                            state.num_in_flight)
+            state.engine.abort_all()  # their streams end with finish_reason "abort"
+            try:
+                await asyncio.wait_for(state.idle.wait(), ABORT_GRACE_S)
+            except asyncio.TimeoutError:
+                logger.warning("%d aborted requests did not finish their responses",
+                               state.num_in_flight)
         self.should_exit = True
 
 
