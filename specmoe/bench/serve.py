@@ -226,10 +226,14 @@ async def _read_events(resp: httpx.Response, result: RequestResult, start: float
             continue
         if event.get("usage"):
             usage_tokens = event["usage"].get("completion_tokens")
-        if any(_content(c) for c in event.get("choices") or []):
+        choices = event.get("choices") or []
+        if any(_content(c) for c in choices):
             num_chunks += 1
-            if result.ttft_s is None:
-                result.ttft_s = time.perf_counter() - start
+        # The first token arrives with the first text, or with the finish of a request
+        # whose tokens decode to no text (an immediate end-of-sequence token).
+        if result.ttft_s is None and any(_content(c) or c.get("finish_reason")
+                                         for c in choices):
+            result.ttft_s = time.perf_counter() - start
     result.e2e_s = time.perf_counter() - start
     result.num_output_tokens = usage_tokens if usage_tokens is not None else num_chunks
 
@@ -276,9 +280,9 @@ async def _scrape(client: httpx.AsyncClient, base_url: str) -> dict | None:
 
 def _percentiles(values: list[float]) -> dict:
     if not values:
-        return {"mean": None, "p50": None, "p95": None, "p99": None}
+        return {"n": 0, "mean": None, "p50": None, "p95": None, "p99": None}
     a = np.asarray(values)
-    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)),
+    return {"n": len(values), "mean": float(a.mean()), "p50": float(np.percentile(a, 50)),
             "p95": float(np.percentile(a, 95)), "p99": float(np.percentile(a, 99))}
 
 
@@ -323,12 +327,12 @@ def render_markdown(results: dict) -> str:
         f"{s['wall_s']:.1f} | {s['requests_per_s']:.2f} | {s['output_tokens_per_s']:.1f} | "
         f"{s['goodput_requests_per_s']:.2f} |", "",
         f"Goodput SLOs: TTFT <= {cfg['slo_ttft_s']} s, TPOT <= {cfg['slo_tpot_s']} s.", "",
-        "| latency (s) | mean | P50 | P95 | P99 |", "|---|---:|---:|---:|---:|"]
+        "| latency (s) | requests | mean | P50 | P95 | P99 |", "|---|---:|---:|---:|---:|---:|"]
     for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "end to end")):
         p = s[key]
         cells = " | ".join("-" if p[q] is None else f"{p[q]:.3f}"
                            for q in ("mean", "p50", "p95", "p99"))
-        lines.append(f"| {name} | {cells} |")
+        lines.append(f"| {name} | {p['n']} | {cells} |")
     lines += _metrics_lines(results["metrics_samples"])
     return "\n".join(lines) + "\n"
 

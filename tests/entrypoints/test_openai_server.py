@@ -340,6 +340,26 @@ def test_metrics_names(server, http):
     assert m["specmoe:generation_tokens_total"] > 0
 
 
+# ---- load generator ------------------------------------------------------------------------
+
+
+def test_bench_serve_against_the_server(server):
+    """`specmoe bench serve` on real prompts: every request answered, each with a time to
+    first token (also those whose first token is the end of sequence), no key written."""
+    import json
+
+    from specmoe.bench.serve import ServeBenchConfig, render_markdown, run_serve_bench
+    cfg = ServeBenchConfig(base_url=server.url + "/v1", api_key=KEY, endpoint="completions",
+                           datasets=["mt_bench"], num_requests=4, concurrency=2,
+                           max_tokens=8)  # MT-Bench: short prompts (the context is 512)
+    results = run_serve_bench(cfg)
+    s = results["summary"]
+    assert (s["num_ok"], s["num_5xx"], s["errors"]) == (4, 0, {})
+    assert s["ttft_s"]["n"] == 4 and s["e2e_s"]["n"] == 4
+    assert KEY not in json.dumps(results)
+    assert "| TTFT | 4 |" in render_markdown(results)
+
+
 # ---- graceful shutdown ---------------------------------------------------------------------
 
 

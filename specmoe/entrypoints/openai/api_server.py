@@ -155,7 +155,8 @@ def validation_api_error(errors: list[dict]) -> APIError:
     param = ".".join(loc) or None
     msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
     if param is None:
-        return APIError(400, f"invalid request body: {msg}", None)
+        return APIError(400, f"invalid request body: {msg} (send a JSON object with "
+                             "'Content-Type: application/json')", None)
     value = err.get("input")
     shown = "" if err.get("type") == "missing" else f"={value!r}"[:200]
     return APIError(400, f"invalid {param}{shown}: {msg}", param)

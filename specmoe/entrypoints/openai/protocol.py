@@ -163,7 +163,7 @@ class ErrorInfo(BaseModel):
     message: str
     type: str
     param: str | None = None
-    code: str | int | None = None
+    code: str | None = None
 
 
 class ErrorResponse(BaseModel):

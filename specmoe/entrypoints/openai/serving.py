@@ -44,7 +44,7 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         body = P.ErrorResponse(error=P.ErrorInfo(
             message=self.message, type=self.TYPES.get(self.status, "error"), param=self.param,
-            code=self.code or self.status))
+            code=self.code))  # a string, or null as OpenAI sends for most 400s
         return JSONResponse(body.model_dump(), status_code=self.status)
 
 
