@@ -223,6 +223,8 @@ BAD = [
     ("completions", {"prompt": "x", "top_k": -2}, "top_k"),
     ("completions", {"prompt": "x", "min_p": 1.5}, "min_p"),
     ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("completions", {"prompt": "x", "max_tokens": True}, "max_tokens"),
+    ("completions", {"prompt": "x", "n": 2.5}, "n"),
     ("completions", {"prompt": "x", "max_tokens": 10_000}, "max_tokens"),
     ("completions", {"prompt": "x", "n": 0}, "n"),
     ("completions", {"prompt": "x", "n": 1000}, "n"),

@@ -98,7 +98,8 @@ class ServerMetrics(NullEngineObserver):
         self.accepted_per_pos = c("spec_decode_num_accepted_tokens_per_pos",
                                   "Draft tokens accepted at each draft position.", ["position"])
         self.step_failures = c("engine_step_failures", "Engine steps that raised.")
-        self.http_responses = Counter(P + "http_responses", "HTTP responses of /v1 routes by status code.",
+        self.http_responses = Counter(P + "http_responses",
+                                      "HTTP responses of /v1 routes by status code.",
                                       ["status"], registry=r)
         h = lambda name, doc, buckets: Histogram(  # noqa: E731
             P + name, doc, labels, buckets=buckets, registry=r)

@@ -19,8 +19,9 @@ MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_SPECULATIVE_TOKENS = 16
 MAX_STOP_STRINGS = 16
+# Integer fields are strict: true or 3.5 is refused, not read as 1 or 3.
 
-NonNegInt = Annotated[int, Field(ge=0)]
+NonNegInt = Annotated[int, Field(ge=0, strict=True)]
 
 
 class _Strict(BaseModel):
@@ -36,24 +37,25 @@ class _SamplingFields(_Strict):
     """Fields shared by completions and chat completions."""
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(strict=True, default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=MAX_N)
+    n: int = Field(strict=True, default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    seed: int | None = Field(strict=True, default=None, ge=0, lt=2**63)
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # extensions
-    top_k: int = Field(default=0, ge=-1)
+    top_k: int = Field(strict=True, default=0, ge=-1)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     ignore_eos: bool = False
     stop_token_ids: list[NonNegInt] | None = None
-    num_speculative_tokens: int | None = Field(default=None, ge=0, le=MAX_SPECULATIVE_TOKENS)
+    num_speculative_tokens: int | None = Field(strict=True, default=None, ge=0,
+                                               le=MAX_SPECULATIVE_TOKENS)
 
     @field_validator("stop")
     @classmethod
@@ -91,10 +93,10 @@ class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: int | None = Field(strict=True, default=16, ge=1)
+    logprobs: int | None = Field(strict=True, default=None, ge=0, le=MAX_LOGPROBS)
     echo: Literal[False] = False
-    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+    best_of: int | None = Field(strict=True, default=None, ge=1, le=MAX_N)
     suffix: None = None
 
     @field_validator("prompt")
@@ -142,9 +144,9 @@ class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(strict=True, default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(strict=True, default=None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="after")
     def _check_top_logprobs(self) -> "ChatCompletionRequest":
