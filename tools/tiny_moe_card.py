@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_tiny_moe import default_corpus_dir, split_corpus  # noqa: E402
+from train_tiny_moe import default_corpus_dir, split_corpus, val_windows  # noqa: E402
 
 from specmoe import LLM, SamplingParams  # noqa: E402
 from specmoe.config import ModelConfig  # noqa: E402
@@ -52,13 +52,6 @@ def heldout_tokens(tokenizer, corpus_dir: Path, val_fraction: float) -> dict[str
     split = split_corpus(corpus_dir, val_fraction)
     return {name: tokenizer.encode(text, add_special_tokens=False)
             for name, text in split.val.items()}
-
-
-def windows(ids: list[int], length: int, max_windows: int | None) -> list[list[int]]:
-    """Consecutive non-overlapping windows of `length` + 1 tokens (inputs + last target)."""
-    num = (len(ids) - 1) // length
-    num = num if max_windows is None else min(num, max_windows)
-    return [ids[i * length:i * length + length + 1] for i in range(num)]
 
 
 # ----------------------------------------------------------------------------- loss, routing
@@ -89,7 +82,7 @@ def evaluate(alias: str, heldout: dict[str, list[int]], max_windows: int | None)
     result = EvalResult({}, {}, recorder.routing)
     for domain, ids in heldout.items():
         result.nll[domain], result.num_tokens[domain] = 0.0, 0
-        for win in windows(ids, length, max_windows):
+        for win in val_windows(torch.tensor(ids), length, max_windows).tolist():
             logits = runner.forward(runner.new_cache(length), win[:-1])  # [T, vocab_size]
             loss = torch.nn.functional.cross_entropy(logits, torch.tensor(win[1:]),
                                                      reduction="sum")

@@ -21,6 +21,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from specmoe.loader.aliases import DEFAULT_MODEL
 from specmoe.utils.data import DATASETS, load_prompts
 
@@ -297,14 +299,9 @@ def run_throughput_bench(cfg: ThroughputBenchConfig) -> dict:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0-100) with linear interpolation between order statistics."""
-    if not values:
-        return float("nan")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    """The q-th percentile (0-100) with linear interpolation between order statistics
+    (`numpy.percentile`); NaN for no values."""
+    return float(np.percentile(values, q)) if values else float("nan")
 
 
 def aggregate(runs: list[dict]) -> list[dict]:

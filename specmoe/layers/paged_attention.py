@@ -259,9 +259,8 @@ def _attend_decode(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
     num_kv_heads = kv_cache[0].shape[1]
     group_size = num_heads // num_kv_heads
     batch, t = group.kv_index.shape[0], group.max_query
-    q_pad = q.new_zeros(batch * t, num_heads, head_dim)
-    q_pad[group.padded_index] = q[group.token_index]
-    q_pad = q_pad.view(batch, t, num_kv_heads, group_size, head_dim).permute(0, 2, 3, 1, 4)
+    q_pad = _pad_queries(q, group).view(batch, t, num_kv_heads, group_size, head_dim)
+    q_pad = q_pad.permute(0, 2, 3, 1, 4)
     q_rows = q_pad.reshape(batch, num_kv_heads, group_size * t, head_dim).float()
     slots = group.kv_index.view(-1)  # [B * L]
     k, v = (_gather_heads(cache, slots, batch) for cache in kv_cache)  # [B, kv, L, hd] fp32
@@ -272,6 +271,14 @@ def _attend_decode(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
     out = torch.matmul(probs, v)  # [B, kv, g*t, hd]
     out = out.view(batch, num_kv_heads, group_size, t, head_dim).permute(0, 3, 1, 2, 4)
     return out.reshape(batch * t, num_heads * head_dim)[group.padded_index].to(q.dtype)
+
+
+def _pad_queries(q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
+    """q [num_tokens, heads, hd] -> [B * max_query, heads, hd]: the group's query rows at
+    their padded positions, zeros elsewhere."""
+    q_pad = q.new_zeros(group.kv_index.shape[0] * group.max_query, *q.shape[1:])
+    q_pad[group.padded_index] = q[group.token_index]
+    return q_pad
 
 
 def _gather_heads(cache: torch.Tensor, slots: torch.Tensor, batch: int) -> torch.Tensor:
@@ -288,8 +295,7 @@ def attend_decode_reference(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch
     k_cache, v_cache = kv_cache
     _, num_heads, head_dim = q.shape
     batch, t = group.kv_index.shape[0], group.max_query
-    q_pad = q.new_zeros(batch * t, num_heads, head_dim)
-    q_pad[group.padded_index] = q[group.token_index]
+    q_pad = _pad_queries(q, group)
     slots = group.kv_index.view(-1)  # [B * L]
     k = k_cache.index_select(0, slots).view(batch, -1, *k_cache.shape[1:])  # [B, L, kv, hd]
     v = v_cache.index_select(0, slots).view(batch, -1, *v_cache.shape[1:])
