@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specmoe.kernels.decode_attention import try_decode_attention_bf16
+
 # Sequences with at most this many query tokens are attended in the padded decode batch.
 MAX_DECODE_QUERY = 16
 # A decode batch pads every sequence to its longest context; a sequence shorter than this
@@ -69,6 +71,26 @@ class DecodeGroup:
 
 
 @dataclass(slots=True)
+class DecodeSequences:
+    """All few-query sequences of a forward, as the native decode kernel reads them
+    (`specmoe.kernels.decode_attention`): int64 CPU tensors, contiguous.
+
+    Attributes:
+        row_start: [S] first row of each sequence in the flattened batch.
+        num_rows: [S] its query rows.
+        start_pos: [S] position of its first query row.
+        block_tables: [S, max_blocks] its block table (padded with block 0).
+        block_size: positions per KV cache block.
+    """
+
+    row_start: torch.Tensor
+    num_rows: torch.Tensor
+    start_pos: torch.Tensor
+    block_tables: torch.Tensor
+    block_size: int
+
+
+@dataclass(slots=True)
 class PrefillSequence:
     """One sequence with many query tokens.
 
@@ -95,12 +117,16 @@ class AttentionMetadata:
         slot_mapping: [num_tokens] int64 cache slot each new token's key/value is written to.
         decodes: padded batches of few-query sequences of similar context length.
         prefills: the many-query sequences.
+        decode_seqs: the few-query sequences for the native kernel (None: there are none).
+        sliding_window: attention window in tokens, or None.
     """
 
     num_tokens: int
     slot_mapping: torch.Tensor
     decodes: list[DecodeGroup]
     prefills: list[PrefillSequence]
+    decode_seqs: DecodeSequences | None = None
+    sliding_window: int | None = None
 
     @classmethod
     def build(cls, seqs: list[SequenceSlice], block_size: int, device: torch.device | str,
@@ -132,7 +158,13 @@ class AttentionMetadata:
                    for group in _length_groups(small, seqs)]
         prefills = [_prefill_sequence(seqs[i], int(token_starts[i]), tables[i], block_size,
                                       sliding_window, device) for i in large]
-        return cls(int(counts.sum()), slot_mapping.to(device), decodes, prefills)
+        decode_seqs = None
+        if small:
+            index = torch.tensor(small)
+            decode_seqs = DecodeSequences(token_starts[index], counts[index], starts[index],
+                                          tables[index].contiguous(), block_size)
+        return cls(int(counts.sum()), slot_mapping.to(device), decodes, prefills, decode_seqs,
+                   sliding_window)
 
 
 def _length_groups(indices: list[int], seqs: list[SequenceSlice]) -> list[list[int]]:
@@ -236,8 +268,10 @@ def paged_attention(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]
     """
     num_tokens, num_heads, head_dim = q.shape
     out = q.new_empty(num_tokens, num_heads * head_dim)
-    for group in meta.decodes:
-        out[group.token_index] = _attend_decode(q, kv_cache, group, scale)
+    if meta.decodes and not try_decode_attention_bf16(q, kv_cache, meta.decode_seqs, scale,
+                                                      meta.sliding_window, out):
+        for group in meta.decodes:
+            out[group.token_index] = _attend_decode(q, kv_cache, group, scale)
     for seq in meta.prefills:
         rows = slice(seq.token_start, seq.token_start + seq.num_tokens)
         out[rows] = _attend_prefill(q[rows], kv_cache, seq, scale)

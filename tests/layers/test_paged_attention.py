@@ -7,18 +7,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specmoe.kernels import gemv
+from specmoe.kernels.decode_attention import _available as decode_kernel_available
 from specmoe.layers.paged_attention import (AttentionMetadata, SequenceSlice,
                                             attend_decode_reference, paged_attention)
 
 BLOCK_SIZE = 4
 
 
-def _setup(num_heads: int, num_kv_heads: int, dtype: torch.dtype, seed: int = 0):
+SHAPES = [(0, 1), (3, 1), (17, 5), (40, 1), (9, 16), (25, 3), (70, 2)]
+
+
+def _setup(num_heads: int, num_kv_heads: int, dtype: torch.dtype, seed: int = 0,
+           head_dim: int = 8, shapes=SHAPES):
     """Sequences (start_pos, num_tokens) of mixed context and query lengths in shuffled
     blocks of one cache, their queries and a full key/value history per sequence."""
     g = torch.Generator().manual_seed(seed)
-    shapes = [(0, 1), (3, 1), (17, 5), (40, 1), (9, 16), (25, 3), (70, 2)]
-    head_dim, num_blocks = 8, 64
+    num_blocks = sum(-(-(start + n) // BLOCK_SIZE) for start, n in shapes)
     perm = torch.randperm(num_blocks, generator=g).tolist()
     seqs, hist = [], []
     k_cache = torch.zeros(num_blocks * BLOCK_SIZE, num_kv_heads, head_dim, dtype=dtype)
@@ -38,13 +43,16 @@ def _setup(num_heads: int, num_kv_heads: int, dtype: torch.dtype, seed: int = 0)
     return seqs, q, (k_cache, v_cache), hist
 
 
-def _per_sequence(seqs, q, hist, scale):
+def _per_sequence(seqs, q, hist, scale, window=None):
     """fp32 causal attention of each sequence alone ([num_tokens, heads * hd])."""
     rows, t0 = [], 0
     for s, (k, v) in zip(seqs, hist):
         qs = q[t0:t0 + s.num_tokens].float().transpose(0, 1)  # [h, n, hd]
-        mask = (torch.arange(s.start_pos + s.num_tokens)[None]
-                <= torch.arange(s.start_pos, s.start_pos + s.num_tokens)[:, None])
+        q_pos = torch.arange(s.start_pos, s.start_pos + s.num_tokens)[:, None]
+        k_pos = torch.arange(s.start_pos + s.num_tokens)[None]
+        mask = k_pos <= q_pos
+        if window is not None:
+            mask &= k_pos > q_pos - window
         out = F.scaled_dot_product_attention(
             qs[None], k.float().transpose(0, 1)[None], v.float().transpose(0, 1)[None],
             attn_mask=mask, scale=scale, enable_gqa=True)[0]  # [h, n, hd]
@@ -68,3 +76,40 @@ def test_decode_path_matches_reference_and_per_sequence(num_heads, num_kv_heads,
     for group in meta.decodes:
         reference[group.token_index] = attend_decode_reference(q, cache, group, scale)
     torch.testing.assert_close(out.float(), reference.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 16), (12, 2, 128),
+                                                             (16, 1, 64), (32, 8, 128)])
+@pytest.mark.parametrize("window", [None, 7])
+def test_native_decode_kernel_matches_torch_path(num_heads, num_kv_heads, head_dim, window):
+    """bf16: the native kernel (chunks of 16 keys, several lane groups when G * rows > 16)
+    against the torch path and per-sequence fp32 attention, sliding window included."""
+    if not decode_kernel_available():
+        pytest.skip("native decode attention kernel unavailable on this machine")
+    shapes = SHAPES + [(130, 8), (31, 16), (15, 1)]
+    seqs, q, cache, hist = _setup(num_heads, num_kv_heads, torch.bfloat16, 3, head_dim, shapes)
+    scale = head_dim ** -0.5
+    meta = AttentionMetadata.build(seqs, BLOCK_SIZE, "cpu", sliding_window=window)
+    out = paged_attention(q, cache, meta, scale)
+    gemv.set_enabled(False)
+    try:
+        torch_path = paged_attention(q, cache, meta, scale)
+    finally:
+        gemv.set_enabled(True)
+    torch.testing.assert_close(out.float(), torch_path.float(), atol=2e-2, rtol=2e-2)
+    expected = _per_sequence(seqs, q, hist, scale, window)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+    # bf16 rounding of the same fp32 result: most elements agree exactly.
+    assert (out == torch_path).float().mean() > 0.9
+
+
+def test_native_decode_kernel_leaves_prefill_rows_to_sdpa():
+    if not decode_kernel_available():
+        pytest.skip("native decode attention kernel unavailable on this machine")
+    shapes = [(0, 40), (12, 3), (0, 1)]
+    seqs, q, cache, hist = _setup(8, 2, torch.bfloat16, 4, 64, shapes)
+    meta = AttentionMetadata.build(seqs, BLOCK_SIZE, "cpu")
+    assert len(meta.prefills) == 1 and meta.decode_seqs.num_rows.tolist() == [3, 1]
+    out = paged_attention(q, cache, meta, 0.125)
+    torch.testing.assert_close(out.float(), _per_sequence(seqs, q, hist, 0.125),
+                               atol=2e-2, rtol=2e-2)

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specmoe.layers.linear import linear
+
 
 class RoutedExperts(nn.Module):
     """N SwiGLU experts with stacked weights.
@@ -27,9 +29,9 @@ class RoutedExperts(nn.Module):
         self.w13.shard_sizes = [intermediate_size, intermediate_size]
 
     def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert e on x [n, H] -> [n, H]."""
-        gate, up = F.linear(x, self.w13[e]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.w2[e])
+        """Expert e on x [n, H] -> [n, H] (`linear`: the decode kernel for a few rows)."""
+        gate, up = linear(x, self.w13[e]).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.w2[e])
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
                 ) -> torch.Tensor:

@@ -1,0 +1,91 @@
+"""Paged decode/verification attention on CPU through `decode_attention_bf16.c`.
+
+The plain-torch path (`specmoe.layers.paged_attention._attend_decode`) gathers every
+sequence's keys and values into padded float32 copies before two matmuls, so at many
+sequences it moves several times the KV cache's bytes; this kernel reads each key/value row
+once, from the cache, through the block tables. `try_decode_attention_bf16` returns False for
+anything it does not take, and the caller runs the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+from specmoe.kernels import gemv
+from specmoe.kernels.build import KernelBuildError, load
+
+logger = logging.getLogger(__name__)
+_kernel = None
+_unavailable: str | None = None
+
+
+def load_kernel():
+    """Build and load the kernel; returns the ctypes function
+    `specmoe_decode_attention_bf16(...) -> int` (see the C source for its arguments).
+
+    Raises:
+        KernelBuildError: no suitable CPU, no compiler, or the build failed.
+        OSError: the built library cannot be loaded.
+    """
+    reason = gemv._cpu_reason()
+    if reason is not None:
+        raise KernelBuildError(reason)
+    fn = load("decode_attention_bf16.c").specmoe_decode_attention_bf16
+    fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _available() -> bool:
+    global _kernel, _unavailable
+    if _kernel is None and _unavailable is None:
+        try:
+            _kernel = load_kernel()
+        except (KernelBuildError, OSError) as exc:
+            _unavailable = str(exc)
+            logger.warning("specmoe CPU decode attention kernel unavailable, using the torch "
+                           "path: %s", _unavailable)
+    return _kernel is not None
+
+
+def try_decode_attention_bf16(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                              seqs, scale: float, sliding_window: int | None,
+                              out: torch.Tensor) -> bool:
+    """Attention of the decode sequences' query rows, written into `out`.
+
+    Args:
+        q: [num_tokens, num_heads, head_dim] bfloat16 CPU queries (RoPE applied).
+        kv_cache: (key, value) [num_slots, num_kv_heads, head_dim] bfloat16 caches holding the
+            new tokens.
+        seqs: a `DecodeSequences` (row_start, num_rows, start_pos [S] int64, block_tables
+            [S, max_blocks] int64, all contiguous on CPU).
+        scale: softmax scale.
+        sliding_window: attention window in tokens, or None.
+        out: [num_tokens, num_heads * head_dim] bfloat16, contiguous; the sequences' rows are
+            written, others untouched.
+    Returns:
+        True when the kernel ran; False (nothing written) when kernels are off or
+        unavailable, or a dtype, device or shape it does not take. Raises nothing.
+    """
+    k_cache, v_cache = kv_cache
+    bf16 = torch.bfloat16
+    if not gemv.is_enabled() or torch.is_grad_enabled() and q.requires_grad:
+        return False
+    if not (q.is_cpu and k_cache.is_cpu and q.dtype is bf16 and k_cache.dtype is bf16
+            and v_cache.dtype is bf16 and out.dtype is bf16 and out.is_contiguous()
+            and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return False
+    if not _available():
+        return False
+    q = q.contiguous()
+    _, num_heads, head_dim = q.shape
+    t = seqs.block_tables
+    rc = _kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                 seqs.row_start.data_ptr(), seqs.num_rows.data_ptr(),
+                 seqs.start_pos.data_ptr(), t.data_ptr(), t.shape[0], t.shape[1],
+                 seqs.block_size, num_heads, k_cache.shape[1], head_dim,
+                 sliding_window or 0, scale, torch.get_num_threads())
+    return rc == 0
