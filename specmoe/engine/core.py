@@ -29,6 +29,25 @@ from specmoe.spec_decode.proposer import ProposeRequest
 from specmoe.worker.model_runner import ModelRunner, SequenceInput
 
 
+class NullStepObserver:
+    """Observes nothing (the default `EngineCore.step_observer`). An observer sees each step's
+    schedule and verification outcome, e.g. to tag the rows of the step's forward
+    (`specmoe.analysis.routing_trace.RoutingCapture`)."""
+
+    def on_step_verified(self, scheduled: list[ScheduledRequest],
+                         requests: dict[str, Request], num_accepted: dict[str, int]) -> None:
+        """Called once per step after verification, before finished requests leave.
+
+        Args:
+            scheduled: the step's requests in forward order; the forward's token rows are
+                their `token_ids`, concatenated.
+            requests: the scheduler's requests by id (all scheduled ones are present).
+            num_accepted: per request that sampled, its drafts accepted and kept (drafts
+                accepted by verification but cut by an earlier stop are not kept); absent
+                for prompt chunks that did not sample.
+        """
+
+
 class EngineCore:
     """Runs many requests at once on a target model with an optional proposer.
 
@@ -54,6 +73,7 @@ class EngineCore:
         self.stats = EngineStats()
         self._generators: dict[str, torch.Generator] = {}
         self._draft_probs: dict[str, torch.Tensor | None] = {}
+        self.step_observer = NullStepObserver()
 
     def add_request(self, req: Request, generator: torch.Generator) -> None:
         """Queue a request; `generator` drives all of its random draws.
@@ -101,7 +121,9 @@ class EngineCore:
             for s in out.scheduled])  # [sum of num_logits, vocab_size]
         sampled = [s for s in out.scheduled if s.num_logits]
         reqs = [self.scheduler.requests[s.request_id] for s in sampled]
-        num_rejected = self._verify(sampled, reqs, logits.split([s.num_logits for s in sampled]))
+        num_rejected, num_accepted = self._verify(
+            sampled, reqs, logits.split([s.num_logits for s in sampled]))
+        self.step_observer.on_step_verified(out.scheduled, self.scheduler.requests, num_accepted)
         verify_time = time.perf_counter() - t0
         for s, req in zip(sampled, reqs):
             if s.num_draft_tokens:
@@ -117,22 +139,24 @@ class EngineCore:
         return finished
 
     def _verify(self, sampled: list[ScheduledRequest], reqs: list[Request],
-                logits: tuple[torch.Tensor, ...]) -> dict[str, int]:
+                logits: tuple[torch.Tensor, ...]) -> tuple[dict[str, int], dict[str, int]]:
         """Rejection-sample every request that reached its last token, append what it
-        emits, and return its number of rejected drafts."""
+        emits, and return, per request id, its rejected drafts and its accepted drafts that
+        were kept."""
         rows = [self._verify_row(s, req, rows) for s, req, rows in zip(sampled, reqs, logits)]
-        num_rejected = {}
+        num_rejected, num_accepted = {}, {}
         for s, req, row, result in zip(sampled, reqs, rows, verify_rows(rows)):
             if not req.output_token_ids:
                 req.metrics.first_token_time_s = time.perf_counter() - req.metrics.arrival_time
                 req.metrics.prefill_time_s = req.metrics.first_token_time_s
             logprobs = _logprobs(req, row.logits, result.token_ids)
             num_kept = self.processor.append(req, result.token_ids, logprobs)
-            req.spec_stats.record(s.num_draft_tokens, min(result.num_accepted, num_kept))
+            num_accepted[s.request_id] = min(result.num_accepted, num_kept)
+            req.spec_stats.record(s.num_draft_tokens, num_accepted[s.request_id])
             if s.num_draft_tokens:
                 req.spec_stats.num_emitted_tokens += num_kept
             num_rejected[s.request_id] = s.num_draft_tokens - result.num_accepted
-        return num_rejected
+        return num_rejected, num_accepted
 
     def _verify_row(self, s: ScheduledRequest, req: Request, logits: torch.Tensor) -> VerifyRow:
         probs = self._draft_probs.pop(s.request_id, None)

@@ -46,8 +46,10 @@ class ExpertLoadRecorder:
         self.num_experts = num_experts
         self._counts: dict[int, torch.Tensor] = {}  # layer -> [num_experts] int64
 
-    def record(self, layer_idx: int, topk_ids: torch.Tensor) -> None:
-        """topk_ids [num_tokens, top_k] int64 of one MoE layer's forward."""
+    def record(self, layer_idx: int, topk_ids: torch.Tensor,
+               topk_weights: torch.Tensor) -> None:
+        """topk_ids [num_tokens, top_k] int64 of one MoE layer's forward (the gate weights
+        are not used)."""
         counts = torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
         if layer_idx in self._counts:
             self._counts[layer_idx] += counts

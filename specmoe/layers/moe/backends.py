@@ -27,7 +27,8 @@ def set_moe_backend(model: nn.Module, name: str) -> None:
 
 
 def set_expert_stats(model: nn.Module, recorder) -> None:
-    """Attach `recorder` (with `record(layer_idx, topk_ids)`) to every MoE block."""
+    """Attach `recorder` (with `record(layer_idx, topk_ids, topk_weights)`, see
+    `specmoe.layers.moe.stats`) to every MoE block."""
     for block in moe_blocks(model):
         block.stats = recorder
 

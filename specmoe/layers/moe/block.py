@@ -43,7 +43,7 @@ class SparseMoEBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
         routing = self.router(x)
-        self.stats.record(self.layer_idx, routing.topk_ids)
+        self.stats.record(self.layer_idx, routing.topk_ids, routing.topk_weights)
         out = self.run_experts(x, routing.topk_ids, routing.topk_weights)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)

@@ -1,4 +1,9 @@
-"""Expert statistics recorders. A disabled recorder is a no-op object, not an `if`."""
+"""Expert statistics recorders. A disabled recorder is a no-op object, not an `if`.
+
+The protocol (what `set_expert_stats` attaches to every MoE block): one call per MoE layer
+and forward, `record(layer_idx, topk_ids, topk_weights)`, with the tensors still on the
+model's device; a recorder that needs them on the host copies them itself.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +13,10 @@ import torch
 class NullExpertStats:
     """Records nothing (the default)."""
 
-    def record(self, layer_idx: int, topk_ids: torch.Tensor) -> None:
-        """topk_ids [num_tokens, top_k] int64 of one MoE layer's forward."""
+    def record(self, layer_idx: int, topk_ids: torch.Tensor,
+               topk_weights: torch.Tensor) -> None:
+        """topk_ids [num_tokens, top_k] int64 and topk_weights [num_tokens, top_k] (the gate
+        weights, in the hidden dtype) of one MoE layer's forward."""
 
 
 class ExpertStatsRecorder:
@@ -25,7 +32,8 @@ class ExpertStatsRecorder:
         self.routing: dict[int, list[torch.Tensor]] = {}
         self.unique_experts: dict[int, list[int]] = {}
 
-    def record(self, layer_idx: int, topk_ids: torch.Tensor) -> None:
+    def record(self, layer_idx: int, topk_ids: torch.Tensor,
+               topk_weights: torch.Tensor) -> None:
         ids = topk_ids.detach().to("cpu")
         self.routing.setdefault(layer_idx, []).append(ids)
         self.unique_experts.setdefault(layer_idx, []).append(int(ids.unique().numel()))
