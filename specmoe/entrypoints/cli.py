@@ -1,10 +1,14 @@
-"""The `specmoe` command line: `generate`, `demo`, `serve`, `bench` and `models` (install, list)."""
+"""The `specmoe` command line: `generate`, `demo`, `serve`, `bench`, `models` (install, list)
+`routing` (analyze) and `study`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from specmoe.entrypoints.routing_cli import (add_routing_parser, check_trace_path, cmd_routing,
+                                             generate_with_trace)
+from specmoe.entrypoints.study_cli import add_study_parser
 from specmoe.loader.aliases import DEFAULT_MODEL
 
 
@@ -84,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--routing-trace", default=None, metavar="PATH",
+                     help="record the MoE target's routing to PATH (JSONL, docs/routing-trace.md)")
     demo = sub.add_parser("demo", help="speculative vs plain decoding on real prompts")
     add_model_args(demo)
     add_spec_args(demo, default_draft="ngram")
@@ -92,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_models_parser(sub)
     add_bench_parser(sub)
+    add_routing_parser(sub)
+    add_study_parser(sub)
     return parser
 
 
@@ -341,10 +349,12 @@ def cmd_generate(args) -> None:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
                             stop=args.stop, ignore_eos=args.ignore_eos)
+    check_trace_path(args.routing_trace)
     llm = llm_from_args(args, speculative_from_args(args))
     prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat \
         else args.prompt
-    out = llm.generate(prompt, params)[0]
+    out = (generate_with_trace(llm, prompt, params, args.routing_trace) if args.routing_trace
+           else llm.generate(prompt, params)[0])
     print(out.text)
     print(format_stats(out), file=sys.stderr)
 
@@ -380,6 +390,11 @@ def main(argv: list[str] | None = None) -> int:
             run_demo(args)
         elif args.command == "models":
             return cmd_models(args)
+        elif args.command == "routing":
+            return cmd_routing(args)
+        elif args.command == "study":
+            from specmoe.entrypoints.study_cli import cmd_study
+            return cmd_study(args)
     except (FileNotFoundError, ValueError) as exc:
         print(f"specmoe: error: {exc}", file=sys.stderr)
         return 2

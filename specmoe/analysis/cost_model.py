@@ -1,0 +1,237 @@
+"""Predicting Tt(B, T), the verification forward time, from shapes, routing and this machine.
+
+A matmul of m rows through P weights of s bytes streams its weights from memory; its time is
+P s tau(m), where tau(m) is this machine's measured time per weight byte at m rows
+(`MachineProfile.measure`, in the same run): the roofline of Williams et al. 2009 ("Roofline:
+an insightful visual performance model", CACM 52(4)), max(1/BW, 2m/(s F)) at best, measured
+rather than assumed. A forward of B requests with T tokens each (M = B T rows) sums, per layer:
+
+- attention projections: an M-row matmul through the QKV and output weights;
+- attention over the KV cache: B (context + T) KV bytes per layer read at the decode bandwidth;
+- dense MLP: an M-row matmul; or an MoE layer: the router, plus U(B, T) experts each with
+  m = M k / U rows, where U is the expected number of distinct experts the step's tokens
+  route to (the union a grouped forward reads; `routing_gen.expected_unique_experts`);
+- the LM head over all M rows.
+
+The matmul term, the KV term, a fixed per-forward overhead and a per-expert-call overhead get
+non-negative coefficients fitted by relative least squares (`CostModel.fit`) on the T = 1
+column only, so every T > 1 point (every verification) is predicted, not fitted.
+
+For contrast, the Amdahl-style estimate of the source analysis (DESIGN.md): the routed experts
+are the only part of Tt(B, 1) that grows with T, in proportion to the unique experts, and
+their share f of the time is their share of the bytes read:
+Tt(B, T) ~= Tt(B, 1) ((1 - f) + f U(B, T) / U(B, 1)). For a dense model it predicts that
+verification is free (ratio 1).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from specmoe.analysis.presets import Preset, preset_size
+from specmoe.bench.roofline import measure_read_bandwidth
+from specmoe.layers.linear import linear
+
+PROBE_ROWS = [1, 2, 3, 4, 6, 8, 12, 16, 17, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512,
+              768, 1024]
+FEATURES = ["matmul", "kv", "fixed", "expert_call"]
+
+
+@dataclass
+class MachineProfile:
+    """This machine's measured matmul roofline: the time per weight byte of an m-row matmul
+    whose weights stream from memory, for m in `probe_rows`.
+
+    Roofline (Williams et al. 2009) says that time is max(1/BW, 2m / (s F)) per byte for
+    read bandwidth BW, s bytes per weight and matmul throughput F; measuring it directly,
+    through the engine's own `linear` (its decode kernel included), also captures how the two
+    limits overlap at the rows where they meet.
+
+    Attributes:
+        bandwidth: bytes/s of one-row `linear` calls over weights far larger than the
+            last-level cache (the decode read bandwidth).
+        stream_bandwidth: bytes/s of a plain tensor sum over a large buffer, for reference.
+        probe_rows: the row counts m probed, ascending.
+        seconds_per_byte: seconds per weight byte of an m-row `linear` at each m.
+        dtype_bytes: bytes per weight of the probe.
+    """
+
+    bandwidth: float
+    stream_bandwidth: float
+    probe_rows: list[int]
+    seconds_per_byte: list[float]
+    dtype_bytes: int = 2
+
+    @classmethod
+    def measure(cls, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
+                probe_bytes: int = 512 << 20) -> "MachineProfile":
+        """Probe with `probe_bytes` of [*, 2048] weights in 64 MiB pieces (several seconds)."""
+        stream = measure_read_bandwidth(probe_bytes, device=device)
+        pieces = _weight_pieces(probe_bytes, dtype, device)
+        total = sum(w.numel() * w.element_size() for w in pieces)
+        per_byte = [_time_rows(pieces, m) / total for m in PROBE_ROWS]
+        return cls(1.0 / per_byte[0], stream, list(PROBE_ROWS), per_byte, dtype.itemsize)
+
+    def matmul_seconds(self, rows: float, num_params: float) -> float:
+        """Seconds of an m-row matmul through num_params weights: the probed time per byte,
+        interpolated linearly in m, extrapolated in proportion to m past the last probe."""
+        if rows <= 0:
+            return 0.0
+        last = self.probe_rows[-1]
+        if rows > last:
+            per_byte = self.seconds_per_byte[-1] * rows / last
+        else:
+            per_byte = float(np.interp(rows, self.probe_rows, self.seconds_per_byte))
+        return per_byte * num_params * self.dtype_bytes
+
+    @property
+    def flops(self) -> list[float]:
+        """The probe's matmul throughput at each m, flop/s."""
+        return [2.0 * m / (self.dtype_bytes * t)
+                for m, t in zip(self.probe_rows, self.seconds_per_byte)]
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "flops": self.flops}
+
+
+def _weight_pieces(num_bytes: int, dtype: torch.dtype, device: str,
+                   piece_bytes: int = 64 << 20) -> list[torch.Tensor]:
+    rows = piece_bytes // (2048 * dtype.itemsize)
+    return [torch.full((rows, 2048), 0.01, dtype=dtype, device=device)
+            for _ in range(max(1, num_bytes // piece_bytes))]
+
+
+def _time_rows(pieces: list[torch.Tensor], rows: int, repeats: int = 2) -> float:
+    """Best-of-`repeats` seconds of an m-row `linear` through every piece."""
+    x = torch.ones(rows, pieces[0].shape[1], dtype=pieces[0].dtype, device=pieces[0].device)
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(x.device)
+        start = time.perf_counter()
+        for w in pieces:
+            linear(x, w)
+        _sync(x.device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass(frozen=True)
+class ShapeCounts:
+    """Per-layer parameter counts of a model, read from its preset.
+
+    Attributes:
+        num_layers: L.
+        attn_params: QKV + output projection weights per layer.
+        mlp_params: dense MLP weights per layer (0 for MoE).
+        expert_params: one routed expert's weights (0 for dense).
+        router_params: router weights per layer (0 for dense).
+        head_params: LM head weights.
+        kv_bytes_per_token: key + value bytes one token stores per layer.
+        num_experts, top_k: N and k (0 for dense).
+        dtype_bytes: bytes per weight.
+    """
+
+    num_layers: int
+    attn_params: int
+    mlp_params: int
+    expert_params: int
+    router_params: int
+    head_params: int
+    kv_bytes_per_token: int
+    num_experts: int
+    top_k: int
+    dtype_bytes: int
+
+    @classmethod
+    def from_preset(cls, preset: Preset, dtype_bytes: int = 2) -> "ShapeCounts":
+        a = preset.arch()
+        h, q, kv = a.hidden_size, a.num_attention_heads * a.head_dim, \
+            a.num_key_value_heads * a.head_dim
+        ffn = 3 * h * preset.intermediate_size
+        return cls(a.num_hidden_layers, h * (q + 2 * kv) + q * h,
+                   0 if preset.is_moe else ffn, ffn if preset.is_moe else 0,
+                   h * preset.num_experts, a.vocab_size * h, 2 * kv * dtype_bytes,
+                   preset.num_experts, preset.top_k, dtype_bytes)
+
+
+def features(shape: ShapeCounts, machine: MachineProfile, batch_size: int, num_tokens: int,
+             context_len: int, unique_experts: float) -> np.ndarray:
+    """The cost model's terms for one (B, T), in the order of FEATURES:
+    [matmul seconds, KV-read seconds, 1, U L expert calls]."""
+    rows, mm = batch_size * num_tokens, machine.matmul_seconds
+    per_layer = mm(rows, shape.attn_params)
+    if shape.num_experts:
+        per_expert_rows = rows * shape.top_k / max(unique_experts, 1e-9)
+        per_layer += mm(rows, shape.router_params)
+        per_layer += unique_experts * mm(per_expert_rows, shape.expert_params)
+    else:
+        per_layer += mm(rows, shape.mlp_params)
+    matmul = shape.num_layers * per_layer + mm(rows, shape.head_params)
+    kv = shape.num_layers * batch_size * (context_len + num_tokens) \
+        * shape.kv_bytes_per_token / machine.bandwidth
+    calls = shape.num_layers * unique_experts if shape.num_experts else 0.0
+    return np.array([matmul, kv, 1.0, calls])
+
+
+@dataclass
+class CostModel:
+    """Fitted non-negative coefficients of FEATURES (`fit`), and predictions."""
+
+    coefficients: list[float]
+
+    def predict(self, feats: np.ndarray) -> np.ndarray:
+        """feats [n, len(FEATURES)] -> predicted seconds [n]."""
+        return np.atleast_2d(feats) @ np.asarray(self.coefficients)
+
+    @classmethod
+    def fit(cls, feats: np.ndarray, seconds: np.ndarray) -> "CostModel":
+        """Non-negative least squares on relative error: min sum ((f c - t) / t)^2, c >= 0
+        (scipy.optimize.nnls). feats [n, len(FEATURES)], seconds [n].
+
+        Raises:
+            ValueError: fewer points than coefficients.
+        """
+        from scipy.optimize import nnls
+        feats, seconds = np.atleast_2d(feats), np.asarray(seconds, dtype=float)
+        if len(seconds) < feats.shape[1]:
+            raise ValueError(f"cannot fit {feats.shape[1]} coefficients to {len(seconds)} "
+                             "points")
+        coef, _ = nnls(feats / seconds[:, None], np.ones_like(seconds))
+        return cls(coef.tolist())
+
+    def to_json(self) -> dict:
+        return dict(zip(FEATURES, self.coefficients))
+
+
+def amdahl_estimate(shape: ShapeCounts, t_one: float, unique_one: float,
+                    unique_t: float, batch_size: int, context_len: int) -> float:
+    """Tt(B, T) ~= Tt(B, 1) ((1 - f) + f U(B, T) / U(B, 1)), f = routed experts' share of the
+    bytes read at (B, 1) (weights and KV cache). Dense models: Tt(B, 1)."""
+    if not shape.num_experts:
+        return t_one
+    s = shape.dtype_bytes
+    expert = shape.num_layers * unique_one * shape.expert_params * s
+    rest = (shape.num_layers * (shape.attn_params + shape.router_params) + shape.head_params) * s
+    rest += shape.num_layers * batch_size * (context_len + 1) * shape.kv_bytes_per_token
+    f = expert / (expert + rest)
+    return t_one * ((1.0 - f) + f * unique_t / unique_one)
+
+
+def relative_errors(predicted: np.ndarray, measured: np.ndarray) -> np.ndarray:
+    """|predicted - measured| / measured, elementwise."""
+    measured = np.asarray(measured, dtype=float)
+    return np.abs(np.asarray(predicted, dtype=float) - measured) / measured
+
+
+def preset_weight_bytes(preset: Preset, dtype_bytes: int = 2) -> int:
+    """Bytes of the preset's weights (embedding table excluded)."""
+    return preset_size(preset, dtype_bytes).weight_bytes

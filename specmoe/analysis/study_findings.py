@@ -1,0 +1,107 @@
+"""The findings of `specmoe study`, in plain words, computed from its measured figures."""
+
+from __future__ import annotations
+
+from specmoe.analysis.study_report import _ratio, finding_tokens
+
+NON_MONOTONIC_MARGIN = 0.03  # a rise then a fall of at least 3% counts as non-monotonic
+
+
+def findings(r: dict) -> list[str]:
+    """Bullet lines: verification flatness MoE vs dense, the speedup's shape against B,
+    where speculation stops paying, cost-model accuracy, and learned-routing overlap."""
+    presets = r["presets"]
+    moe = [n for n, res in presets.items() if res["preset"]["num_experts"]]
+    dense = [n for n in presets if n not in moe]
+    out = _flatness(presets, moe, dense)
+    out += _speedup_shape(r["speedup"], moe, dense)
+    out += _model_accuracy(r["cost_model"])
+    e2e = r.get("e2e")
+    if e2e:
+        rows = ", ".join(f"B={x['B']} {x['measured_speedup']:.2f}x measured vs "
+                         f"{x['predicted_speedup']:.2f}x predicted" for x in e2e["rows"])
+        out.append(f"- End to end on {e2e['config']['model']} with its draft (K="
+                   f"{e2e['config']['k']}): {rows}; median error "
+                   f"{e2e['median_error']:.1%}.")
+    lr = r.get("learned_routing")
+    if lr:
+        out += [f"- {lr['finding']}"]
+    return out
+
+
+def _flatness(presets: dict, moe: list[str], dense: list[str]) -> list[str]:
+    batch_sizes = sorted({p["B"] for res in presets.values() for p in res["points"]})
+    t = finding_tokens(presets)
+    out = []
+    for b in (batch_sizes[0], batch_sizes[len(batch_sizes) // 2], batch_sizes[-1]):
+        parts = [f"{n} {_ratio(presets[n], b, t):.2f}x" for n in moe + dense
+                 if _ratio(presets[n], b, t) is not None]
+        out.append(f"- At B={b}, verifying K={t - 1} drafts (T={t}) costs "
+                   + ", ".join(parts) + " of a one-token step.")
+    if moe and dense:
+        out.append("- " + _rise_sentence(presets, moe + dense, batch_sizes, t))
+        out += ["- " + _cheaper_sentence(presets, moe, d, batch_sizes, t) for d in dense]
+    return out
+
+
+def _rise_sentence(presets: dict, names: list[str], batch_sizes: list[int], t: int) -> str:
+    """How much the verification ratio grows from the smallest to the largest B."""
+    lo, hi = batch_sizes[0], batch_sizes[-1]
+    parts = [f"{n} {_ratio(presets[n], hi, t) / _ratio(presets[n], lo, t) - 1:+.0%}"
+             for n in names]
+    return (f"From B={lo} to B={hi} the ratio changes by " + ", ".join(parts)
+            + ": the smaller the change, the flatter the curve.")
+
+
+def _cheaper_sentence(presets: dict, moe: list[str], dense: str, batch_sizes: list[int],
+                      t: int) -> str:
+    """At which B every MoE preset verifies more cheaply (relative to its own one-token
+    step) than one dense preset."""
+    below = [b for b in batch_sizes
+             if max(_ratio(presets[n], b, t) for n in moe) < _ratio(presets[dense], b, t)]
+    if not below:
+        return f"No MoE preset verifies relatively more cheaply than {dense} at every B."
+    if len(below) == len(batch_sizes):
+        return f"Every MoE preset verifies relatively more cheaply than {dense} at every B."
+    return (f"Every MoE preset verifies relatively more cheaply than {dense} at B in "
+            f"{below}, not at the other batch sizes.")
+
+
+def _speedup_shape(synthesis: dict, moe: list[str], dense: list[str]) -> list[str]:
+    out = []
+    for name in moe + dense:
+        best = sorted((int(b), v["speedup"]) for b, v in synthesis[name]["best"].items())
+        if not best:
+            continue
+        s = [v for _, v in best]
+        shape = _shape(s, [b for b, _ in best])
+        stop = synthesis[name]["breakeven_batch_size"]
+        out.append(f"- {name}: best speedup {s[0]:.2f}x at B={best[0][0]}, {s[-1]:.2f}x at "
+                   f"B={best[-1][0]}; against B it is {shape}; speculation "
+                   + (f"stops paying at B={stop}." if stop else "pays at every B measured."))
+    return out
+
+
+def _shape(s: list[float], batch_sizes: list[int]) -> str:
+    """Words for the shape of the best speedup against B."""
+    peak = max(range(len(s)), key=s.__getitem__)
+    margin = 1 + NON_MONOTONIC_MARGIN
+    if 0 < peak < len(s) - 1 and s[peak] > margin * max(s[0], s[-1]):
+        return (f"non-monotonic: it rises to a peak at B={batch_sizes[peak]} ({s[peak]:.2f}x) "
+                "and falls after")
+    if peak == 0:
+        return "highest at the smallest batch size and lower at every larger one"
+    if peak == len(s) - 1:
+        return "highest at the largest batch size"
+    return "roughly flat (its peak is within 3% of an end)"
+
+
+def _model_accuracy(fit: dict) -> list[str]:
+    e = fit["errors"]
+    ours, amdahl = e["all"]["cost_model"]["median"], e["verification (T>=2)"]["amdahl"]["median"]
+    held_out = e["verification (T>=2)"]["cost_model"]["median"]
+    verdict = "meets" if ours <= 0.10 else "misses"
+    return [f"- The cost model's median error over the whole grid is {ours:.1%} ({verdict} "
+            f"the 10% target); over the verification points (T >= 2, none used in the fit) "
+            f"{held_out:.1%}. The Amdahl-style estimate's median error on those points is "
+            f"{amdahl:.1%}."]

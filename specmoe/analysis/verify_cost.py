@@ -1,0 +1,191 @@
+"""Measuring Tt(B, T): the target forward time for B requests verifying T tokens each.
+
+A synthetic-weight preset is built in the engine's own `DecoderModel` and run through the
+engine's `ModelRunner.execute` with a paged KV cache, exactly as a verification step runs:
+each of the B requests has `context_len` tokens already in its KV cache and T new tokens
+(the last accepted token and T - 1 drafts), and logits are computed for all T. The KV
+contents are zeros and the token ids random: timing does not depend on values.
+
+MoE routing comes from a routing source (`specmoe.analysis.routing_gen`) through
+`ReplayRouter`, which still runs the real router matmul (its cost is real) and then hands the
+grouped experts the source's ids, generated before the timer starts. With no source, the
+model's own router routes (random weights: close to uniform).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from specmoe.analysis.presets import Preset, fill_synthetic_
+from specmoe.layers.moe.backends import moe_blocks, set_expert_stats
+from specmoe.layers.moe.router import RoutingResult
+from specmoe.layers.moe.stats import ExpertStatsRecorder
+from specmoe.loader.model_loader import DTYPES, LoadedModel, _default_dtype
+from specmoe.models.decoder import DecoderModel
+from specmoe.worker.model_runner import ModelRunner, SequenceInput
+
+BLOCK_SIZE = 16
+
+
+class ReplayRouter(nn.Module):
+    """Runs the wrapped router (its gate matmul, softmax and top-k), then returns the ids
+    set in `next_ids` ([num_tokens, top_k] int64) with equal weights 1/k, or the wrapped
+    router's own result when `next_ids` is None."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.next_ids: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> RoutingResult:
+        own = self.inner(x)
+        if self.next_ids is None:
+            return own
+        ids = self.next_ids
+        return RoutingResult(ids, torch.full(ids.shape, 1.0 / ids.shape[1], dtype=x.dtype,
+                                             device=x.device))
+
+
+def build_synthetic(preset: Preset, dtype: str = "bfloat16", device: str = "cpu",
+                    seed: int = 0, max_len: int = 4096) -> ModelRunner:
+    """The preset as a ready-to-run `ModelRunner` with random weights (built directly in
+    `dtype`, so a 3.7 GB preset needs 3.7 GB, not twice that)."""
+    arch = preset.arch()
+    torch_dtype, dev = DTYPES[dtype], torch.device(device)
+    with _default_dtype(torch_dtype), dev:
+        model = DecoderModel(arch, max_len)
+    fill_synthetic_(model, seed)
+    for block in moe_blocks(model):
+        block.router = ReplayRouter(block.router)
+    model.eval().requires_grad_(False)
+    loaded = LoadedModel(model, arch, Path(f"synthetic:{preset.name}"), dev, torch_dtype,
+                         max_len)
+    return ModelRunner(loaded)
+
+
+@dataclass
+class GridPoint:
+    """Timings of one (B, T).
+
+    Attributes:
+        batch_size: B.
+        num_tokens: T, tokens per request.
+        seconds: one forward time per repetition, in seconds.
+        unique_experts: per repetition, the distinct experts each MoE layer touched (the
+            experts whose weights the forward read; empty for dense models).
+    """
+
+    batch_size: int
+    num_tokens: int
+    seconds: list[float] = field(default_factory=list)
+    unique_experts: list[list[float]] = field(default_factory=list)
+
+    @property
+    def min_s(self) -> float:
+        return min(self.seconds)
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.seconds)
+
+    def to_json(self) -> dict:
+        out = {"B": self.batch_size, "T": self.num_tokens, "seconds": self.seconds,
+               "min_s": self.min_s, "median_s": self.median_s}
+        if self.unique_experts:
+            per_layer = np.mean(self.unique_experts, axis=0)          # [num_moe_layers]
+            out["unique_experts"] = float(per_layer.mean())
+            out["unique_experts_per_layer"] = per_layer.tolist()
+        return out
+
+
+class VerifyCostBench:
+    """Times forwards of one model at chosen (B, T).
+
+    Args:
+        runner: the model (a synthetic preset or any loaded model).
+        routing: a routing source (one per MoE layer: a list, or one shared), or None for
+            the model's own router.
+        context_len: tokens already in each request's KV cache.
+        max_batch_size, max_num_tokens: the largest B and T to be timed (sizes the cache).
+        seed: seeds token ids and routing draws.
+    """
+
+    def __init__(self, runner: ModelRunner, routing=None, context_len: int = 512,
+                 max_batch_size: int = 64, max_num_tokens: int = 8, seed: int = 0) -> None:
+        self.runner = runner
+        self.blocks = moe_blocks(runner.model)
+        self.routing = routing if isinstance(routing, list) or routing is None \
+            else [routing] * len(self.blocks)
+        self.context_len = context_len
+        self.blocks_per_seq = -(-(context_len + max_num_tokens) // BLOCK_SIZE)
+        self.cache = runner.new_paged_cache(max_batch_size * self.blocks_per_seq, BLOCK_SIZE)
+        self.rng = np.random.default_rng(seed)
+        self.stats = ExpertStatsRecorder()
+        if self.routing is None:
+            set_expert_stats(runner.model, self.stats)
+
+    def _inputs(self, batch_size: int, num_tokens: int) -> list[SequenceInput]:
+        vocab = self.runner.vocab_size
+        n = self.blocks_per_seq
+        return [SequenceInput(self.rng.integers(vocab, size=num_tokens).tolist(),
+                              self.context_len, list(range(b * n, (b + 1) * n)), num_tokens)
+                for b in range(batch_size)]
+
+    def _set_routing(self, batch_size: int, num_tokens: int) -> list[float]:
+        """Draw this forward's ids for every MoE layer; returns their unique counts."""
+        if self.routing is None:
+            return []
+        unique = []
+        for block, source in zip(self.blocks, self.routing):
+            ids = source.sample(batch_size, num_tokens, self.rng)      # [B, T, k]
+            unique.append(float(np.unique(ids).size))
+            block.router.next_ids = torch.from_numpy(ids.reshape(-1, ids.shape[-1])).to(
+                self.runner.device)
+        return unique
+
+    def time_forward(self, batch_size: int, num_tokens: int) -> tuple[float, list[float]]:
+        """One forward; returns (seconds, distinct experts each MoE layer touched: empty for
+        a dense model)."""
+        seqs = self._inputs(batch_size, num_tokens)
+        unique = self._set_routing(batch_size, num_tokens)
+        self.stats.unique_experts.clear()
+        self.stats.routing.clear()
+        _sync(self.runner.device)
+        start = time.perf_counter()
+        self.runner.execute(self.cache, seqs)
+        _sync(self.runner.device)
+        seconds = time.perf_counter() - start
+        if self.routing is None and self.stats.unique_experts:
+            unique = [float(u) for counts in self.stats.unique_experts.values() for u in counts]
+        return seconds, unique
+
+
+def measure_grid(bench: VerifyCostBench, batch_sizes: list[int], num_tokens: list[int],
+                 reps: int, on_point=None) -> list[GridPoint]:
+    """Tt(B, T) for every B and T, `reps` times; repetitions are the outer loop, so the
+    machine's drift spreads over the whole grid. One untimed warm-up forward at the largest
+    point first. `on_point()` is called after each timed forward (progress bars)."""
+    points = {(b, t): GridPoint(b, t) for b in batch_sizes for t in num_tokens}
+    bench.time_forward(max(batch_sizes), max(num_tokens))
+    for _ in range(reps):
+        for b in batch_sizes:
+            for t in num_tokens:
+                seconds, unique = bench.time_forward(b, t)
+                points[b, t].seconds.append(seconds)
+                if unique:
+                    points[b, t].unique_experts.append(unique)
+                if on_point is not None:
+                    on_point()
+    return list(points.values())
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,93 @@
+"""The cost model's arithmetic on hand-checked configurations, its fit, and the Amdahl
+estimate."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specmoe.analysis import cost_model as cm
+from specmoe.analysis.presets import PRESETS
+
+# Probed: 1e-9 s per weight byte at one row, 2e-9 at two; past the last probe the time per
+# byte grows in proportion to the rows, so tau(m) = m * 1e-9 for every m >= 1.
+MACHINE = cm.MachineProfile(bandwidth=1e9, stream_bandwidth=1e9, probe_rows=[1, 2],
+                            seconds_per_byte=[1e-9, 2e-9], dtype_bytes=2)
+MOE = cm.ShapeCounts(num_layers=2, attn_params=1000, mlp_params=0, expert_params=500,
+                     router_params=40, head_params=2000, kv_bytes_per_token=8, num_experts=4,
+                     top_k=2, dtype_bytes=2)
+DENSE = cm.ShapeCounts(num_layers=2, attn_params=1000, mlp_params=1500, expert_params=0,
+                       router_params=0, head_params=2000, kv_bytes_per_token=8, num_experts=0,
+                       top_k=0, dtype_bytes=2)
+
+
+def test_matmul_seconds_interpolate_then_extrapolate_in_rows():
+    assert MACHINE.matmul_seconds(1, 1000) == pytest.approx(2000 * 1e-9)
+    assert MACHINE.matmul_seconds(1.5, 1000) == pytest.approx(2000 * 1.5e-9)
+    assert MACHINE.matmul_seconds(8, 1000) == pytest.approx(2000 * 8e-9)   # 4x the last
+    assert MACHINE.matmul_seconds(0.5, 1000) == pytest.approx(2000 * 1e-9)  # clamped
+    assert MACHINE.matmul_seconds(0, 1000) == 0.0
+    # flop/s of the probe: 2 m / (s tau(m)) = 1e9 at both probes.
+    assert MACHINE.flops == pytest.approx([1e9, 1e9])
+    assert set(MACHINE.to_json()) >= {"bandwidth", "seconds_per_byte", "flops"}
+
+
+def test_moe_features_by_hand():
+    # B=2, T=1: 2 rows; 3 unique experts, each with 2 * 2 / 3 rows.
+    f = cm.features(MOE, MACHINE, batch_size=2, num_tokens=1, context_len=10, unique_experts=3)
+    attn, router = 2 * 1000 * 2e-9, 2 * 40 * 2e-9
+    experts = 3 * 2 * 500 * (4 / 3) * 1e-9
+    head = 2 * 2000 * 2e-9
+    assert f[0] == pytest.approx(2 * (attn + router + experts) + head)
+    assert f[1] == pytest.approx(2 * 2 * (10 + 1) * 8 / 1e9)   # layers x B x positions x bytes
+    assert f[2] == 1.0
+    assert f[3] == 2 * 3                                         # layers x unique experts
+    assert len(f) == len(cm.FEATURES)
+
+
+def test_dense_features_by_hand():
+    # B=4, T=8: 32 rows through every weight.
+    f = cm.features(DENSE, MACHINE, 4, 8, context_len=0, unique_experts=0)
+    assert f[0] == pytest.approx(2 * 2 * (1000 + 1500) * 32e-9 + 2 * 2000 * 32e-9)
+    assert f[1] == pytest.approx(2 * 4 * 8 * 8 / 1e9)
+    assert f[3] == 0.0
+
+
+def test_fit_recovers_known_nonnegative_coefficients():
+    rng = np.random.default_rng(0)
+    feats = np.column_stack([rng.uniform(0.01, 0.1, 20), rng.uniform(0, 0.01, 20),
+                             np.ones(20), rng.uniform(0, 500, 20)])
+    truth = np.array([1.3, 2.0, 0.004, 2e-5])
+    model = cm.CostModel.fit(feats, feats @ truth)
+    assert np.allclose(model.coefficients, truth, rtol=1e-6)
+    assert np.allclose(model.predict(feats), feats @ truth)
+    assert set(model.to_json()) == set(cm.FEATURES)
+
+
+def test_fit_keeps_coefficients_nonnegative_and_needs_enough_points():
+    feats = np.column_stack([np.linspace(1, 2, 6), np.ones(6), np.ones(6), np.ones(6)])
+    model = cm.CostModel.fit(feats, np.linspace(1, 2, 6) * 0.5 - 0.1)
+    assert min(model.coefficients) >= 0.0
+    with pytest.raises(ValueError, match="4 coefficients to 3 points"):
+        cm.CostModel.fit(feats[:3], np.ones(3))
+
+
+def test_amdahl_estimate_by_hand():
+    # Experts' share of bytes at (B=1, T=1) with U=2: 2 layers x 2 x 500 weights.
+    expert = 2 * 2 * 500 * 2
+    rest = (2 * (1000 + 40) + 2000) * 2 + 2 * 1 * (10 + 1) * 8
+    f = expert / (expert + rest)
+    got = cm.amdahl_estimate(MOE, t_one=0.01, unique_one=2, unique_t=3, batch_size=1,
+                             context_len=10)
+    assert got == pytest.approx(0.01 * ((1 - f) + f * 1.5))
+    assert cm.amdahl_estimate(DENSE, 0.01, 1, 1, 1, 10) == 0.01
+
+
+def test_shape_counts_of_a_preset():
+    p = PRESETS["moe-8x2"]
+    s = cm.ShapeCounts.from_preset(p)
+    a = p.arch()
+    assert s.expert_params == 3 * a.hidden_size * p.intermediate_size
+    assert s.router_params == a.hidden_size * 8 and s.mlp_params == 0
+    assert s.kv_bytes_per_token == 2 * a.num_key_value_heads * a.head_dim * 2
+    assert cm.relative_errors([1.1, 0.9], [1.0, 1.0]) == pytest.approx([0.1, 0.1])

@@ -1,0 +1,107 @@
+"""`specmoe study` end to end on one-layer presets and a small grid: every output is written,
+every figure is consistent with the raw timings, and bad options are refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specmoe.analysis.study import StudyConfig
+from specmoe.entrypoints.cli import main
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("study")
+    argv = ["study", "--out", str(out), "--presets", "moe-8x2,dense-active",
+            "--batch-sizes", "1,2,4", "--num-tokens", "1,2,3", "--reps", "1",
+            "--context-len", "16", "--scale-layers", "0.17", "--routing-model", "none",
+            "--e2e-model", "none",
+            "--threads", "1"]
+    assert main(argv) == 0
+    return out
+
+
+def test_study_writes_every_output(report):
+    for name in ("report.md", "results.json", "tt_ratio_vs_T.png", "speedup_vs_B.png",
+                 "cost_model_fit.png", "unique_experts_per_step.png"):
+        assert (report / name).stat().st_size > 0, name
+    text = (report / "report.md").read_text()
+    assert "## Findings" in text and "cost model's median error" in text
+    assert "moe-8x2" in text and "dense-active" in text
+
+
+def test_study_results_are_consistent(report):
+    r = json.loads((report / "results.json").read_text())
+    moe = r["presets"]["moe-8x2"]
+    assert moe["preset"]["num_layers"] == 1
+    assert len(moe["points"]) == 9
+    for p in moe["points"]:
+        assert p["min_s"] <= p["median_s"] and p["predicted_s"] > 0
+        assert 2 <= p["unique_experts"] <= 8
+        assert p["uniform_unique_experts"] == pytest.approx(8 * (1 - 0.75 ** (p["B"] * p["T"])))
+    rows = r["speedup"]["moe-8x2"]["rows"]
+    pts = {(p["B"], p["T"]): p["min_s"] for p in moe["points"]}
+    td = {p["B"]: p["min_s"] for p in r["draft"]["points"]}
+    for row in rows:
+        b, k = row["B"], row["K"]
+        expected = row["AL"] / (pts[b, k + 1] / pts[b, 1] + k * td[b] / pts[b, 1])
+        assert row["speedup"] == pytest.approx(expected)
+    assert {row["K"] for row in rows} == {1, 2}
+    assert r["acceptance"]["lengths"]["1"] == pytest.approx(1.8032, abs=1e-3)
+
+
+def test_study_refuses_bad_options(capsys):
+    assert main(["study", "--presets", "draft"]) == 2
+    assert "invalid presets ['draft']" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="must include 1"):
+        StudyConfig(num_tokens=[2, 3])
+    with pytest.raises(ValueError, match="routing='nope'"):
+        StudyConfig(routing="nope")
+
+
+def _trace_file(tmp_path, num_experts=8, top_k=2, num_layers=2):
+    """Two sequences of 20 on-sequence tokens with overlap-0.5 routing, plus rejected rows."""
+    import numpy as np
+
+    from specmoe.analysis.routing_gen import CorrelatedRouting
+    from specmoe.analysis.routing_trace import RoutingTrace, write_trace
+    rng = np.random.default_rng(0)
+    ids = CorrelatedRouting(num_experts, top_k, 0.5).sample(2 * num_layers, 20, rng)
+    experts = ids.reshape(2, num_layers, 20, top_k).transpose(0, 2, 1, 3).reshape(-1, num_layers,
+                                                                                   top_k)
+    n = len(experts)
+    phase = np.array((["prefill"] * 8 + ["decode"] * 12) * 2, "<U8")
+    trace = RoutingTrace(num_experts, top_k, list(range(num_layers)), ["a"] * 20 + ["b"] * 20,
+                         np.tile(np.arange(20), 2), np.zeros(n, np.int64), phase, experts,
+                         np.full(experts.shape, 1.0 / top_k, np.float32), "hand-made")
+    return write_trace(trace, tmp_path / "trace.jsonl")
+
+
+def test_study_replays_and_analyses_a_trace(tmp_path):
+    path = _trace_file(tmp_path)
+    out = tmp_path / "report"
+    argv = ["study", "--out", str(out), "--presets", "moe-8x2,dense-active",
+            "--batch-sizes", "1,2,4", "--num-tokens", "1,2", "--reps", "1",
+            "--context-len", "8", "--scale-layers", "0.17", "--routing", "trace",
+            "--routing-trace", str(path), "--e2e-model", "none", "--threads", "1"]
+    assert main(argv) == 0
+    r = json.loads((out / "results.json").read_text())
+    assert r["presets"]["moe-8x2"]["routing"]["name"] == "trace"
+    learned = r["learned_routing"]
+    assert learned["analysis"]["num_tokens"] == 40
+    assert learned["analysis"]["overlap"]["baseline_uniform"]["value"] == pytest.approx(0.25)
+    assert "Learned routing (trace" in (out / "report.md").read_text()
+    assert (out / "overlap_vs_distance.png").stat().st_size > 0
+
+
+def test_study_refuses_a_trace_of_another_shape(tmp_path, capsys):
+    path = _trace_file(tmp_path, num_experts=16, top_k=4)
+    argv = ["study", "--out", str(tmp_path / "r"), "--presets", "moe-8x2", "--routing",
+            "trace", "--routing-trace", str(path), "--scale-layers", "0.17", "--reps", "1",
+            "--batch-sizes", "1,2,4,8", "--num-tokens", "1", "--e2e-model", "none"]
+    assert main(argv) == 2
+    assert "N=16, k=4; preset moe-8x2 needs N=8, k=2" in capsys.readouterr().err
