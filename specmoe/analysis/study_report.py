@@ -132,10 +132,10 @@ def render_report(r: dict) -> str:
            f"bandwidth {m['bandwidth'] / 1e9:.1f} GB/s (one-row linear), "
            f"{m['stream_bandwidth'] / 1e9:.1f} GB/s (tensor sum); matmul throughput "
            f"{min(m['flops']) / 1e9:.0f}-{max(m['flops']) / 1e9:.0f} GFLOP/s over "
-           f"{m['probe_rows'][0]}-{m['probe_rows'][-1]} rows (weights in cache).", "",
+           f"{m['probe_rows'][0]}-{m['probe_rows'][-1]} rows (weights streamed from memory).", "",
            "## Findings", "", *findings(r), "", "## Presets (synthetic weights, "
            f"{r['config']['dtype']}, context {r['config']['context_len']} tokens)", "",
-           *preset_table(presets, llc), ""]
+           *preset_table(presets, llc), "", *_draft_line(r.get("draft")), ""]
     t = finding_tokens(presets)
     out += [f"## Verification cost Tt(B, {t}) / Tt(B, 1) (K = {t - 1})", "",
             *verification_ratio_table(presets, t), "",
@@ -153,6 +153,16 @@ def render_report(r: dict) -> str:
     for name, res in presets.items():
         out += [f"### {name}", "", *tt_table(res), ""]
     return "\n".join(out) + "\n"
+
+
+def _draft_line(draft: dict | None) -> list[str]:
+    if not draft:
+        return ["Draft cost: given as a ratio, not measured."]
+    p, s = draft["preset"], draft["size"]
+    times = ", ".join(f"B={x['B']} {x['min_s'] * 1e3:.1f} ms" for x in draft["points"])
+    return [f"Draft preset: dense, L={p['num_layers']}, H={p['hidden_size']}, MLP width "
+            f"{p['intermediate_size']}, {s['active_params'] / 1e6:.0f} M parameters "
+            f"({s['weight_bytes'] / 2**20:.0f} MiB); Td(B, 1): {times}."]
 
 
 def _e2e_section(e2e: dict | None) -> list[str]:
