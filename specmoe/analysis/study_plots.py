@@ -55,15 +55,9 @@ def plot_speedup(synthesis: dict[str, dict], moe_names: set[str], path: Path) ->
             ax.annotate(f"K={v['K']}", (x, v["speedup"]), fontsize=6, color=line.get_color(),
                         xytext=(2, 3), textcoords="offset points")
     ax.axhline(1.0, color="grey", lw=1)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size B (concurrent requests)")
-    ax.set_ylabel("predicted speedup S(B, best K)")
-    ax.set_title("Speculative speedup from measured Tt and real acceptance lengths")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish_log2(fig, ax, path, "batch size B (concurrent requests)",
+                 "predicted speedup S(B, best K)",
+                 "Speculative speedup from measured Tt and real acceptance lengths", 8)
 
 
 def plot_cost_fit(presets: dict[str, dict], path: Path) -> None:
@@ -104,12 +98,19 @@ def plot_unique_per_step(presets: dict[str, dict], path: Path) -> None:
                         label=f"{name} measured")
         ax.plot([p["B"] * p["T"] for p in pts], [p["uniform_unique_experts"] / n for p in pts],
                 "--", color=line.get_color(), lw=1, label=f"{name} uniform independent")
+    _finish_log2(fig, ax, path, "tokens per forward, B x T", "unique experts / N",
+                 "Experts read per forward (the union of the step's routing)", 7)
+
+
+def _finish_log2(fig, ax, path: Path, xlabel: str, ylabel: str, title: str,
+                 legend_size: int) -> None:
+    """Log2 x axis, labels, grid and legend; save to `path` and close."""
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("tokens per forward, B x T")
-    ax.set_ylabel("unique experts / N")
-    ax.set_title("Experts read per forward (the union of the step's routing)")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=legend_size)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

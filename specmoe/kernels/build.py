@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -89,3 +90,30 @@ def build(source: str, extra_flags: tuple[str, ...] = ()) -> Path:
 def load(source: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     """Build (if needed) and load `source`. Raises KernelBuildError or OSError."""
     return ctypes.CDLL(str(build(source, extra_flags)))
+
+
+class LazyKernel:
+    """A kernel built and loaded at first use, once: `get()` returns the loaded function, or
+    None when it cannot be had (the reason is logged once as a warning and kept in
+    `unavailable`).
+
+    Args:
+        loader: builds and loads the kernel; raises KernelBuildError or OSError.
+        what: what the kernel is and what runs instead, for the warning.
+    """
+
+    def __init__(self, loader, what: str) -> None:
+        self.loader = loader
+        self.what = what
+        self.kernel = None
+        self.unavailable: str | None = None
+
+    def get(self):
+        if self.kernel is None and self.unavailable is None:
+            try:
+                self.kernel = self.loader()
+            except (KernelBuildError, OSError) as exc:
+                self.unavailable = str(exc)
+                logging.getLogger(__name__).warning("specmoe %s: %s", self.what,
+                                                    self.unavailable)
+        return self.kernel

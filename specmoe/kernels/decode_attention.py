@@ -10,16 +10,12 @@ anything it does not take, and the caller runs the torch path.
 from __future__ import annotations
 
 import ctypes
-import logging
 
 import torch
 
 from specmoe.kernels import gemv
-from specmoe.kernels.build import KernelBuildError, load
+from specmoe.kernels.build import KernelBuildError, LazyKernel, load
 
-logger = logging.getLogger(__name__)
-_kernel = None
-_unavailable: str | None = None
 
 
 def load_kernel():
@@ -39,16 +35,12 @@ def load_kernel():
     return fn
 
 
-def _available() -> bool:
-    global _kernel, _unavailable
-    if _kernel is None and _unavailable is None:
-        try:
-            _kernel = load_kernel()
-        except (KernelBuildError, OSError) as exc:
-            _unavailable = str(exc)
-            logger.warning("specmoe CPU decode attention kernel unavailable, using the torch "
-                           "path: %s", _unavailable)
-    return _kernel is not None
+_lazy = LazyKernel(load_kernel, "CPU decode attention kernel unavailable, using the torch path")
+
+
+def available() -> bool:
+    """Whether the kernel is built and loaded (building it now if needed)."""
+    return _lazy.get() is not None
 
 
 def try_decode_attention_bf16(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -78,12 +70,13 @@ def try_decode_attention_bf16(q: torch.Tensor, kv_cache: tuple[torch.Tensor, tor
             and v_cache.dtype is bf16 and out.dtype is bf16 and out.is_contiguous()
             and k_cache.is_contiguous() and v_cache.is_contiguous()):
         return False
-    if not _available():
+    kernel = _lazy.get()
+    if kernel is None:
         return False
     q = q.contiguous()
     _, num_heads, head_dim = q.shape
     t = seqs.block_tables
-    rc = _kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+    rc = kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                  seqs.row_start.data_ptr(), seqs.num_rows.data_ptr(),
                  seqs.start_pos.data_ptr(), t.data_ptr(), t.shape[0], t.shape[1],
                  seqs.block_size, num_heads, k_cache.shape[1], head_dim,

@@ -10,23 +10,19 @@ caller runs the plain-torch reference `F.linear`.
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import platform
 import sys
 
 import torch
 
-from specmoe.kernels.build import KernelBuildError, load
+from specmoe.kernels.build import KernelBuildError, LazyKernel, load
 
 DISABLE_ENV = "SPECMOE_DISABLE_CPU_KERNELS"
 MAX_ROWS = 16  # the most input rows the kernel takes; more (prefill) go to F.linear
 _REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw")
 
-logger = logging.getLogger(__name__)
 _enabled = os.environ.get(DISABLE_ENV, "").strip().lower() not in ("1", "true", "yes")
-_kernel = None             # the ctypes function, once built
-_unavailable: str | None = None  # why it cannot be built, once known
 
 
 def set_enabled(enabled: bool) -> None:
@@ -74,18 +70,14 @@ def load_kernel(extra_flags: tuple[str, ...] = ()):
     return fn
 
 
+_lazy = LazyKernel(load_kernel, "CPU bf16 linear kernel unavailable, using F.linear")
+
+
 def kernel_unavailable_reason() -> str | None:
     """None when the kernel is built and loaded (building it now if needed), else why not.
     The first failure is logged once as a warning."""
-    global _kernel, _unavailable
-    if _kernel is None and _unavailable is None:
-        try:
-            _kernel = load_kernel()
-        except (KernelBuildError, OSError) as exc:
-            _unavailable = str(exc)
-            logger.warning("specmoe CPU bf16 linear kernel unavailable, using F.linear: %s",
-                           _unavailable)
-    return _unavailable
+    _lazy.get()
+    return _lazy.unavailable
 
 
 def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -120,9 +112,8 @@ def try_linear_bf16(x: torch.Tensor, weight: torch.Tensor,
     """
     if not _enabled or not _eligible(x, weight, bias):
         return None
-    if _kernel is None and kernel_unavailable_reason() is not None:
-        return None
-    return run_kernel(_kernel, x, weight, bias)
+    kernel = _lazy.get()
+    return None if kernel is None else run_kernel(kernel, x, weight, bias)
 
 
 def run_kernel(kernel, x: torch.Tensor, weight: torch.Tensor,

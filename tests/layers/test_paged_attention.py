@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from specmoe.kernels import gemv
-from specmoe.kernels.decode_attention import _available as decode_kernel_available
+from specmoe.kernels.decode_attention import available as decode_kernel_available
 from specmoe.layers.paged_attention import (AttentionMetadata, SequenceSlice,
                                             attend_decode_reference, paged_attention)
 
