@@ -27,7 +27,7 @@ from specmoe.analysis.presets import Preset, fill_synthetic_
 from specmoe.layers.moe.backends import moe_blocks, set_expert_stats
 from specmoe.layers.moe.router import RoutingResult
 from specmoe.layers.moe.stats import ExpertStatsRecorder
-from specmoe.loader.model_loader import DTYPES, LoadedModel, _default_dtype
+from specmoe.loader.model_loader import DTYPES, LoadedModel, default_dtype
 from specmoe.models.decoder import DecoderModel
 from specmoe.worker.model_runner import ModelRunner, SequenceInput
 
@@ -59,7 +59,7 @@ def build_synthetic(preset: Preset, dtype: str = "bfloat16", device: str = "cpu"
     `dtype`, so a 3.7 GB preset needs 3.7 GB, not twice that)."""
     arch = preset.arch()
     torch_dtype, dev = DTYPES[dtype], torch.device(device)
-    with _default_dtype(torch_dtype), dev:
+    with default_dtype(torch_dtype), dev:
         model = DecoderModel(arch, max_len)
     fill_synthetic_(model, seed)
     for block in moe_blocks(model):

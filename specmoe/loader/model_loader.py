@@ -73,7 +73,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     arch = family.parse_config(hf_config)
     max_len = _max_model_len(config, arch)
     device, dtype = resolve_device(config.device), DTYPES[config.dtype]
-    with _default_dtype(dtype), device:
+    with default_dtype(dtype), device:
         model = DecoderModel(arch, max_len)
     load_weights(model, _to_device(tensors, device), family.WEIGHT_RULES,
                  arch.tie_word_embeddings)
@@ -109,7 +109,8 @@ def _to_device(tensors: Iterator[tuple[str, torch.Tensor]], device: torch.device
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
+def default_dtype(dtype: torch.dtype):
+    """Context in which new tensors (and module parameters) default to `dtype`."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
