@@ -88,6 +88,24 @@ def cmd_study(args) -> int:
     return 0
 
 
+def print_presets(cfg: st.StudyConfig, console: Console) -> None:
+    """Each preset's shape and bytes, before anything is built."""
+    from rich.table import Table
+    from specmoe.analysis.presets import preset_size
+    table = Table(title="presets (synthetic weights)")
+    for col in ("preset", "layers", "hidden", "MLP", "total params", "active params", "bytes"):
+        table.add_column(col)
+    for name in [*cfg.presets, "draft"]:
+        p = PRESETS[name].scaled(cfg.scale_layers)
+        s = preset_size(p, st.dtype_size(cfg.dtype))
+        mlp = (f"{p.num_experts} experts x {p.intermediate_size}, top-{p.top_k}"
+               if p.is_moe else f"dense {p.intermediate_size}")
+        table.add_row(name, str(p.num_layers), str(p.hidden_size), mlp,
+                      f"{s.total_params / 1e6:.0f} M", f"{s.active_params / 1e6:.0f} M",
+                      f"{s.weight_bytes / 2**20:.0f} MiB")
+    console.print(table)
+
+
 def run_study(cfg: st.StudyConfig, console: Console):
     """Every step of the study with one progress bar over all timed forwards.
 
@@ -97,6 +115,7 @@ def run_study(cfg: st.StudyConfig, console: Console):
     start = time.perf_counter()
     device = st.resolve_device(cfg.device)
     acceptance, source = st.acceptance_for(cfg)
+    print_presets(cfg, console)
     for w in st.size_warnings(cfg):
         console.print(f"[yellow]warning:[/] {w}")
     grid = len(cfg.batch_sizes) * len(cfg.num_tokens) * cfg.reps
