@@ -134,7 +134,17 @@ class TraceRouting:
         decode and accepted rows; `routing_stats.sequence_runs`)."""
         from specmoe.analysis.routing_stats import sequence_runs
         runs = [r.transpose(1, 0, 2) for r in sequence_runs(trace) if len(r)]  # [L, n, k]
+        if not runs:
+            raise ValueError("the routing trace has no prefill, decode or accepted rows to "
+                             "replay")
         return cls(runs, trace.num_experts, layer)
+
+    def check_length(self, num_tokens: int, source: str = "the trace") -> None:
+        """Raises ValueError when no run of the trace has num_tokens consecutive tokens."""
+        longest = max(s.shape[1] for s in self.sequences)
+        if longest < num_tokens:
+            raise ValueError(f"{source}: its longest run of consecutive tokens has {longest}, "
+                             f"fewer than the {num_tokens} a forward of the grid needs")
 
     def for_layer(self, layer: int) -> "TraceRouting":
         """The same trace replaying traced layer `layer % num_layers`."""

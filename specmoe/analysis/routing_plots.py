@@ -12,6 +12,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 from specmoe.analysis.routing_stats import RoutingAnalysis  # noqa: E402
 
 
+OVERLAP_PNG = "overlap_vs_distance.png"
+UNIQUE_PNG = "unique_experts_vs_window.png"
+
 def plot_overlap(analysis: RoutingAnalysis, path: str | Path) -> Path:
     """PNG of the mean expert overlap |E_t ∩ E_{t+d}| / k against the distance d (mean over
     layers, each layer faint), with the overlap of independent tokens under uniform and

@@ -199,10 +199,15 @@ def read_trace(path: str | Path) -> RoutingTrace:
             experts per layer, unknown phase, ...); the message names the line and field.
     """
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"routing trace {path} is a directory, not a JSONL file")
     if not path.is_file():
         raise FileNotFoundError(f"routing trace {path} does not exist")
-    with path.open(encoding="utf-8") as f:
-        return parse_trace(f, str(path))
+    try:
+        with path.open(encoding="utf-8") as f:
+            return parse_trace(f, str(path))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"routing trace {path} is not UTF-8 text (JSONL): {exc}") from exc
 
 
 def parse_trace(lines: Iterable[str], source: str = "<trace>") -> RoutingTrace:

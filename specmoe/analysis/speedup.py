@@ -31,28 +31,41 @@ def load_acceptance_lengths(path: str | Path | None = None, proposer: str = "dra
     """
     if path is None:
         text = resources.files("specmoe.analysis.data").joinpath(BUNDLED_ACCEPTANCE).read_text()
-        table = json.loads(text)["mean_acceptance_length"].get(proposer, {}).get(group)
-        if table is None:
+        groups = json.loads(text)["mean_acceptance_length"].get(proposer, {})
+        if group not in groups:
             raise ValueError(f"no bundled acceptance lengths for proposer={proposer!r}, "
-                             f"group={group!r}")
-        return {int(k): float(v) for k, v in table.items()}
-    rows = json.loads(Path(path).read_text()).get("rows", [])
+                             f"group={group!r}: groups are {sorted(groups)}")
+        return {int(k): float(v) for k, v in groups[group].items()}
+    rows = _bench_spec_rows(Path(path))
     out = {int(r["k"]): float(r["mean_acceptance_length"]) for r in rows
            if r.get("proposer") == proposer and r.get("group") == group
            and float(r.get("temperature", -1)) == temperature and int(r.get("k", 0)) > 0}
     if not out:
+        groups = sorted({str(r.get("group")) for r in rows})
         raise ValueError(f"{path}: no bench spec rows for proposer={proposer!r}, "
-                         f"group={group!r}, temperature={temperature}")
+                         f"group={group!r}, temperature={temperature} (groups: {groups})")
     return out
+
+
+def _bench_spec_rows(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise FileNotFoundError(f"acceptance file {path} does not exist (or is not a file)")
+    try:
+        rows = json.loads(path.read_text()).get("rows")
+    except (ValueError, UnicodeDecodeError, AttributeError) as exc:
+        raise ValueError(f"{path} is not a `specmoe bench spec` results.json: {exc}") from exc
+    if not isinstance(rows, list):
+        raise ValueError(f"{path} has no 'rows' list: not a `specmoe bench spec` results.json")
+    return [r for r in rows if isinstance(r, dict)]
 
 
 def parse_acceptance_lengths(text: str) -> dict[int, float]:
     """"1=1.8,2=2.4" -> {1: 1.8, 2: 2.4}.
 
     Raises:
-        ValueError: malformed pairs, K < 1 or AL outside [1, K + 1].
+        ValueError: no pair, a malformed pair, a repeated K, K < 1, or AL not in [1, K + 1].
     """
-    out = {}
+    out: dict[int, float] = {}
     for pair in filter(None, (p.strip() for p in text.split(","))):
         try:
             k_text, al_text = pair.split("=")
@@ -63,7 +76,12 @@ def parse_acceptance_lengths(text: str) -> dict[int, float]:
         if k < 1 or not 1.0 <= al <= k + 1:
             raise ValueError(f"invalid acceptance length {pair!r}: need K >= 1 and "
                              "1 <= AL <= K + 1")
+        if k in out:
+            raise ValueError(f"acceptance length for K={k} given twice")
         out[k] = al
+    if not out:
+        raise ValueError(f"no acceptance lengths in {text!r}: expected K=AL pairs, e.g. "
+                         "1=1.8,4=3.3")
     return out
 
 

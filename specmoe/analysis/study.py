@@ -20,123 +20,37 @@ import dataclasses
 import gc
 import platform
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from specmoe.analysis import cost_model as cm
-from specmoe.analysis.presets import (PRESETS, TARGET_PRESETS, Preset, check_preset_sizes,
+from specmoe.analysis.presets import (PRESETS, Preset, check_preset_sizes,
                                       last_level_cache_bytes, preset_size)
 from specmoe.analysis.routing_gen import (CorrelatedRouting, TraceRouting, UniformRouting,
                                           expected_unique_experts)
-from specmoe.analysis.speedup import load_acceptance_lengths, speedup_table
+from specmoe.analysis.speedup import speedup_table
+from specmoe.analysis.study_config import StudyConfig
 from specmoe.analysis.verify_cost import VerifyCostBench, build_synthetic, measure_grid
 
-ROUTINGS = ("correlated", "uniform", "router", "trace")
-PUBLISHED_OVERLAP = 0.381  # adjacent-token overlap, k=8, N=128 (source analysis, DESIGN.md)
-
-
-@dataclass
-class StudyConfig:
-    """What the study runs. Defaults take about 10 minutes on 2 CPU cores.
-
-    Attributes:
-        presets: target presets (see `presets.PRESETS`).
-        batch_sizes: B values of the Tt grid.
-        num_tokens: T values (tokens per request in one forward; T = K + 1).
-        reps: repetitions of each grid point (min and median reported).
-        context_len: tokens already in each request's KV cache, in tokens.
-        routing: MoE routing of the synthetic presets: "correlated" (overlap `overlap`),
-            "uniform" (independent), "router" (the random-weight router itself) or "trace"
-            (windows of `routing_trace` replayed, layer by layer; its N and k must match
-            every MoE preset's).
-        overlap: adjacent-token overlap of the correlated routing.
-        scale_layers: multiplies every preset's depth (bigger hardware).
-        dtype, device: weights' dtype and the device (None: CUDA if present).
-        acceptance_path: a `bench spec` results.json for AL(K) (None: the bundled figures of
-            the real Qwen2.5-Coder pair).
-        acceptance_group: its data-set group ("all", "humaneval", ...).
-        acceptance: K -> AL given directly (overrides acceptance_path).
-        draft_cost_ratio: Td/Tt per draft token given directly (None: measure the draft
-            preset).
-        routing_model: a real MoE whose learned routing is captured on real prompts
-            ("tiny-moe"; None: skip).
-        routing_trace: analyse this routing-trace JSONL instead of capturing one (and, with
-            routing "trace", replay it on the MoE presets).
-        num_routing_prompts, routing_max_tokens: prompts and tokens of the capture.
-        e2e_model, e2e_draft: a real MoE target and draft run end to end to compare
-            predicted and measured speedup (`e2e_check`; e2e_model None: skip).
-        e2e_batch_sizes, e2e_k: its batch sizes and K.
-        seed: seeds weights, token ids and routing draws.
-    """
-
-    presets: list[str] = field(default_factory=lambda: list(TARGET_PRESETS))
-    batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
-    num_tokens: list[int] = field(default_factory=lambda: list(range(1, 9)))
-    reps: int = 3
-    context_len: int = 512
-    routing: str = "correlated"
-    overlap: float = PUBLISHED_OVERLAP
-    scale_layers: float = 1.0
-    dtype: str = "bfloat16"
-    device: str | None = None
-    acceptance_path: str | None = None
-    acceptance_group: str = "all"
-    acceptance: dict[int, float] | None = None
-    draft_cost_ratio: float | None = None
-    routing_model: str | None = "tiny-moe"
-    routing_trace: str | None = None
-    num_routing_prompts: int = 8
-    routing_max_tokens: int = 48
-    e2e_model: str | None = "tiny-moe"
-    e2e_draft: str = "tiny-moe-draft"
-    e2e_batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16])
-    e2e_k: int = 4
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        unknown = [p for p in self.presets if p not in PRESETS or PRESETS[p].role != "target"]
-        if unknown or not self.presets:
-            raise ValueError(f"invalid presets {unknown or self.presets}: choose from "
-                             f"{TARGET_PRESETS}")
-        if self.routing not in ROUTINGS:
-            raise ValueError(f"invalid routing={self.routing!r}: choose one of {ROUTINGS}")
-        for name in ("batch_sizes", "num_tokens"):
-            values = getattr(self, name)
-            if not values or min(values) < 1 or values != sorted(set(values)):
-                raise ValueError(f"invalid {name}={values}: ascending distinct ints >= 1")
-        if 1 not in self.num_tokens:
-            raise ValueError(f"num_tokens={self.num_tokens} must include 1 (the baseline)")
-        if self.routing == "trace" and not self.routing_trace:
-            raise ValueError("routing='trace' needs routing_trace (a routing-trace JSONL)")
-        if self.reps < 1 or self.context_len < 0 or self.scale_layers <= 0:
-            raise ValueError(f"invalid reps={self.reps}, context_len={self.context_len} or "
-                             f"scale_layers={self.scale_layers}")
-
-
-def routing_source(preset: Preset, cfg: StudyConfig):
+def routing_source(preset: Preset, cfg: StudyConfig, trace=None):
     """The routing source of a synthetic MoE preset: one shared source, a list of one per
-    layer (trace replay), or None (the model's own router).
-
-    Raises:
-        ValueError: a trace whose N or k differs from the preset's.
-    """
+    layer (replaying `trace`), or None (the model's own router)."""
     if cfg.routing == "router":
         return None
     if cfg.routing == "trace":
-        return _trace_sources(preset, cfg.routing_trace)
+        base = TraceRouting.from_trace(trace)
+        return [base.for_layer(i) for i in range(preset.num_layers)]
     if cfg.routing == "uniform" or preset.num_experts < 2 * preset.top_k:
         return UniformRouting(preset.num_experts, preset.top_k)
     return CorrelatedRouting(preset.num_experts, preset.top_k, cfg.overlap)
 
 
 def measure_preset(preset: Preset, cfg: StudyConfig, device: str, on_point=None,
-                   num_tokens: list[int] | None = None) -> dict:
+                   num_tokens: list[int] | None = None, trace=None) -> dict:
     """Tt(B, T) of one preset over the grid, with the expected unique experts per point."""
     runner = build_synthetic(preset, cfg.dtype, device, cfg.seed)
-    source = routing_source(preset, cfg) if preset.is_moe else None
+    source = routing_source(preset, cfg, trace) if preset.is_moe else None
     num_tokens = num_tokens or cfg.num_tokens
     bench = VerifyCostBench(runner, source, cfg.context_len, max(cfg.batch_sizes),
                             max(num_tokens), cfg.seed)
@@ -151,17 +65,6 @@ def measure_preset(preset: Preset, cfg: StudyConfig, device: str, on_point=None,
     if preset.is_moe:
         _add_expected_unique(out, preset, source, cfg)
     return out
-
-
-def _trace_sources(preset: Preset, path: str) -> list[TraceRouting]:
-    from specmoe.analysis.routing_trace import read_trace
-    trace = read_trace(path)
-    if (trace.num_experts, trace.top_k) != (preset.num_experts, preset.top_k):
-        raise ValueError(f"routing trace {path} has N={trace.num_experts}, k={trace.top_k}; "
-                         f"preset {preset.name} needs N={preset.num_experts}, "
-                         f"k={preset.top_k}")
-    base = TraceRouting.from_trace(trace)
-    return [base.for_layer(i) for i in range(preset.num_layers)]
 
 
 def _routing_json(source, preset: Preset) -> dict | None:
@@ -249,7 +152,7 @@ def synthesize(presets: dict[str, dict], draft: dict | None, acceptance: dict[in
     return out
 
 
-def learned_routing(cfg: StudyConfig):
+def learned_routing(cfg: StudyConfig, trace=None):
     """Overlap, unique experts and load of a real MoE's learned routing: a trace captured
     from `cfg.routing_model` on real prompts (greedy), or read from `cfg.routing_trace`.
 
@@ -263,7 +166,8 @@ def learned_routing(cfg: StudyConfig):
     from specmoe.analysis.routing_stats import analyze_routing
     from specmoe.analysis.routing_trace import read_trace
     if cfg.routing_trace:
-        trace, source = read_trace(cfg.routing_trace), f"trace {cfg.routing_trace}"
+        trace = trace if trace is not None else read_trace(cfg.routing_trace)
+        source = f"trace {cfg.routing_trace}"
     elif cfg.routing_model:
         trace, source = _capture_routing(cfg)
     else:
@@ -301,6 +205,9 @@ def _routing_summary(a, source: str) -> dict:
              "", f"Expert load imbalance (mean over layers): max/mean "
              f"{np.mean(a.load_max_over_mean):.2f}, coefficient of variation "
              f"{np.mean(a.load_cv):.2f}."]
+    if not source.startswith("trace"):
+        lines += ["", "Greedy text of a small model repeats itself, which raises the overlap "
+                  "at larger distances; the model card measures held-out corpus text."]
     finding = (f"Learned routing ({source.split(',')[0]}): adjacent tokens share "
                f"{a.overlap_mean[0]:.1%} of their experts against {a.overlap_uniform:.1%} "
                f"for independent uniform routing and {pop_overlap:.1%} for independent tokens "
@@ -328,35 +235,14 @@ def machine_json(machine: cm.MachineProfile, device: str) -> dict:
             **machine.to_json()}
 
 
-def resolve_device(device: str | None) -> str:
-    return device or ("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def acceptance_for(cfg: StudyConfig) -> tuple[dict[int, float], str]:
-    """AL(K) and a line saying where it came from."""
-    if cfg.acceptance:
-        return dict(cfg.acceptance), "given on the command line"
-    al = load_acceptance_lengths(cfg.acceptance_path, group=cfg.acceptance_group)
-    where = cfg.acceptance_path or ("bundled: specmoe bench spec, Qwen2.5-Coder 0.5B (int4) -> "
-                                    "1.5B (bf16), greedy, real prompts")
-    return al, f"{where} (group {cfg.acceptance_group})"
-
-
 def dtype_size(dtype: str) -> int:
     """Bytes per element of a dtype name ("bfloat16" -> 2)."""
     return getattr(torch, dtype).itemsize
 
 
-def size_warnings(cfg: StudyConfig) -> list[str]:
-    presets = [PRESETS[n].scaled(cfg.scale_layers) for n in cfg.presets]
+def size_warnings(presets: list[Preset], cfg: StudyConfig) -> list[str]:
     return check_preset_sizes(presets, last_level_cache_bytes(), dtype_size(cfg.dtype))
 
 
 def elapsed_since(start: float) -> float:
     return round(time.perf_counter() - start, 1)
-
-
-def ensure_dir(path: str | Path) -> Path:
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    return out

@@ -17,9 +17,13 @@ def _points(res: dict, batch_size: int) -> list[dict]:
 def plot_tt_ratio(presets: dict[str, dict], path: Path) -> None:
     """Per preset: measured Tt(B, T)/Tt(B, 1) against T (solid), one line per B, and the
     cost model's prediction (dashed)."""
-    fig, axes = plt.subplots(1, len(presets), figsize=(4.2 * len(presets), 3.8),
-                             sharey=True, squeeze=False)
-    for ax, (name, res) in zip(axes[0], presets.items()):
+    ncols = min(3, len(presets))
+    nrows = -(-len(presets) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.4 * ncols, 3.6 * nrows), sharey=True,
+                             squeeze=False)
+    for ax in axes.flat[len(presets):]:
+        ax.set_visible(False)
+    for ax, (name, res) in zip(axes.flat, presets.items()):
         batch_sizes = sorted({p["B"] for p in res["points"]})
         cmap = plt.get_cmap("viridis", len(batch_sizes))
         for i, b in enumerate(batch_sizes):
@@ -33,9 +37,10 @@ def plot_tt_ratio(presets: dict[str, dict], path: Path) -> None:
         ax.set_title(name)
         ax.set_xlabel("T, tokens per request (K + 1)")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("Tt(B, T) / Tt(B, 1)")
-    axes[0][-1].legend(fontsize=7, title="solid: measured\ndashed: cost model",
-                       title_fontsize=7)
+    for row in axes:
+        row[0].set_ylabel("Tt(B, T) / Tt(B, 1)")
+    axes.flat[0].legend(fontsize=7, title="solid: measured\ndashed: cost model",
+                        title_fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -63,12 +68,15 @@ def plot_speedup(synthesis: dict[str, dict], moe_names: set[str], path: Path) ->
 def plot_cost_fit(presets: dict[str, dict], path: Path) -> None:
     """Predicted against measured Tt for the cost model and the Amdahl estimate (log-log)."""
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.5), sharex=True, sharey=True)
-    for ax, (key, title) in zip(axes, (("predicted_s", "cost model"),
-                                       ("amdahl_s", "Amdahl estimate"))):
+    for ax, (key, title) in zip(axes, (("predicted_s", "cost model (x: T = 1, fitted)"),
+                                       ("amdahl_s", "Amdahl estimate (x: T = 1, its anchor)"))):
         for name, res in presets.items():
             pts = [p for p in res["points"] if key in p]
-            ax.scatter([p["min_s"] * 1e3 for p in pts], [p[key] * 1e3 for p in pts], s=8,
-                       label=name)
+            dots = ax.scatter([p["min_s"] * 1e3 for p in pts if p["T"] > 1],
+                              [p[key] * 1e3 for p in pts if p["T"] > 1], s=8, label=name)
+            ax.scatter([p["min_s"] * 1e3 for p in pts if p["T"] == 1],
+                       [p[key] * 1e3 for p in pts if p["T"] == 1], s=18, marker="x",
+                       color=dots.get_facecolor()[0])
         lo, hi = ax.get_xlim()
         ax.plot([lo, hi], [lo, hi], color="grey", lw=1)
         ax.set_xscale("log")
@@ -110,7 +118,8 @@ def _finish_log2(fig, ax, path: Path, xlabel: str, ylabel: str, title: str,
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=legend_size)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=legend_size)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

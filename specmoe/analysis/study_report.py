@@ -10,8 +10,11 @@ FINDING_K = 4  # the K whose verification ratio Tt(B, K+1)/Tt(B, 1) the findings
 
 
 def finding_tokens(presets: dict[str, dict]) -> int:
-    """T = FINDING_K + 1, or the largest T measured if smaller."""
-    return min(FINDING_K + 1, max(p["T"] for res in presets.values() for p in res["points"]))
+    """The T the findings compare: the largest measured T <= FINDING_K + 1 above 1, else the
+    smallest measured T above 1."""
+    ts = sorted({p["T"] for res in presets.values() for p in res["points"] if p["T"] > 1})
+    below = [t for t in ts if t <= FINDING_K + 1]
+    return below[-1] if below else ts[0]
 
 
 def write_outputs(results: dict, out: Path, routing_analysis=None) -> None:
@@ -19,13 +22,14 @@ def write_outputs(results: dict, out: Path, routing_analysis=None) -> None:
     `RoutingAnalysis`, its overlap and unique-expert plots too."""
     from specmoe.analysis import study_plots as plots
     if routing_analysis is not None:
-        from specmoe.analysis.routing_plots import plot_overlap, plot_unique_experts
-        plot_overlap(routing_analysis, out / "overlap_vs_distance.png")
-        plot_unique_experts(routing_analysis, out / "unique_experts_vs_W.png")
+        from specmoe.analysis import routing_plots as rp
+        rp.plot_overlap(routing_analysis, out / rp.OVERLAP_PNG)
+        rp.plot_unique_experts(routing_analysis, out / rp.UNIQUE_PNG)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=_jsonable))
     presets = results["presets"]
     plots.plot_tt_ratio(presets, out / "tt_ratio_vs_T.png")
-    plots.plot_unique_per_step(presets, out / "unique_experts_per_step.png")
+    if any(res["preset"]["num_experts"] for res in presets.values()):
+        plots.plot_unique_per_step(presets, out / "unique_experts_per_step.png")
     plots.plot_cost_fit(presets, out / "cost_model_fit.png")
     moe = {n for n, res in presets.items() if res["preset"]["num_experts"]}
     plots.plot_speedup(results["speedup"], moe, out / "speedup_vs_B.png")
@@ -70,7 +74,8 @@ def tt_table(res: dict) -> list[str]:
 
 
 def preset_table(presets: dict[str, dict], llc: int | None) -> list[str]:
-    lines = ["| preset | shape | total params | active params | weight bytes | x LLC | routing |",
+    lines = ["| preset | shape | total params | active params | weight bytes (no embedding) "
+             "| x LLC | routing |",
              "|---|---|---|---|---|---|---|"]
     for name, res in presets.items():
         p, s = res["preset"], res["size"]
@@ -127,20 +132,21 @@ def render_report(r: dict) -> str:
     presets, llc = r["presets"], r["machine"].get("last_level_cache_bytes")
     m = r["machine"]
     out = ["# specmoe study: speculative decoding on MoE vs dense", "",
-           f"Run in {r['seconds']} s on {m['device']} ({m['cpu']}, {m['torch_threads']} torch "
-           f"threads); last-level cache {llc / 2**20 if llc else float('nan'):.0f} MiB; read "
+           f"Run in {r['seconds']} s on {m['device']} ({m['cpu']}, torch threads: "
+           f"{m['torch_threads']}); last-level cache {llc / 2**20 if llc else float('nan'):.0f} MiB; read "
            f"bandwidth {m['bandwidth'] / 1e9:.1f} GB/s (one-row linear), "
            f"{m['stream_bandwidth'] / 1e9:.1f} GB/s (tensor sum); matmul throughput "
            f"{min(m['flops']) / 1e9:.0f}-{max(m['flops']) / 1e9:.0f} GFLOP/s over "
            f"{m['probe_rows'][0]}-{m['probe_rows'][-1]} rows (weights streamed from memory).", "",
-           "## Findings", "", *findings(r), "", "## Presets (synthetic weights, "
+           "## Findings", "", *findings(r), *[f"- Warning: {w}" for w in r.get("warnings", [])],
+           "", "## Presets (synthetic weights, "
            f"{r['config']['dtype']}, context {r['config']['context_len']} tokens)", "",
            *preset_table(presets, llc), "", *_draft_line(r.get("draft")), ""]
     t = finding_tokens(presets)
     out += [f"## Verification cost Tt(B, {t}) / Tt(B, 1) (K = {t - 1})", "",
             *verification_ratio_table(presets, t), "",
-            "![Tt ratio](tt_ratio_vs_T.png)", "", "![unique experts](unique_experts_per_step.png)",
-            "", "## Cost model", "", *cost_model_lines(r["cost_model"]), "",
+            "![Tt ratio](tt_ratio_vs_T.png)", "", *_unique_plot_line(presets),
+            "## Cost model", "", *cost_model_lines(r["cost_model"]), "",
             "![cost model](cost_model_fit.png)", "",
             "## Speedup S(B, K) = AL(K) / (Tt(B, K+1)/Tt(B, 1) + K Td(B, 1)/Tt(B, 1))", "",
             f"Acceptance lengths: {r['acceptance']['source']}: "
@@ -179,9 +185,17 @@ def _e2e_section(e2e: dict | None) -> list[str]:
     return lines + [""]
 
 
+def _unique_plot_line(presets: dict[str, dict]) -> list[str]:
+    if not any(res["preset"]["num_experts"] for res in presets.values()):
+        return []
+    return ["![unique experts](unique_experts_per_step.png)", ""]
+
+
 def _routing_section(lr: dict | None) -> list[str]:
     if not lr:
         return []
-    return ["## Learned routing of a real MoE on real prompts", "", *lr["summary_lines"], "",
-            "![overlap](overlap_vs_distance.png)", "",
-            "![unique vs W](unique_experts_vs_W.png)", ""]
+    from specmoe.analysis.routing_plots import OVERLAP_PNG, UNIQUE_PNG
+    title = ("Routing of a trace" if lr["source"].startswith("trace")
+             else "Learned routing of a real MoE on real prompts")
+    return [f"## {title}", "", *lr["summary_lines"], "", f"![overlap]({OVERLAP_PNG})", "",
+            f"![unique vs W]({UNIQUE_PNG})", ""]

@@ -9,8 +9,7 @@ import math
 from pathlib import Path
 
 JSON_NAME = "routing_analysis.json"
-OVERLAP_PNG = "overlap_vs_distance.png"
-UNIQUE_PNG = "unique_experts_vs_window.png"
+OVERLAP_PNG, UNIQUE_PNG = "overlap_vs_distance.png", "unique_experts_vs_window.png"
 
 
 def add_routing_parser(sub) -> None:
@@ -44,6 +43,9 @@ def cmd_routing(args) -> int:
     from specmoe.analysis.routing_stats import analyze_routing
     from specmoe.analysis.routing_trace import read_trace
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    if args.out:
+        from specmoe.analysis.study_config import prepare_out_dir
+        prepare_out_dir(args.out)
     trace = read_trace(args.trace)
     analysis = analyze_routing(trace, args.max_distance, args.max_window, phases)
     print_analysis(analysis, trace.phase_counts(), args.trace)
@@ -135,8 +137,13 @@ def check_trace_path(path: str | None) -> None:
 
     Raises:
         FileNotFoundError: its directory does not exist.
+        ValueError: it is a directory.
     """
-    if path is not None and not Path(path).resolve().parent.is_dir():
+    if path is None:
+        return
+    if Path(path).is_dir():
+        raise ValueError(f"invalid --routing-trace {path}: a directory, not a file path")
+    if not Path(path).resolve().parent.is_dir():
         raise FileNotFoundError(f"invalid --routing-trace {path}: directory "
                                 f"{Path(path).resolve().parent} does not exist")
 

@@ -98,10 +98,48 @@ def test_study_replays_and_analyses_a_trace(tmp_path):
     assert (out / "overlap_vs_distance.png").stat().st_size > 0
 
 
-def test_study_refuses_a_trace_of_another_shape(tmp_path, capsys):
+def test_a_trace_of_another_shape_gets_a_preset_of_its_shape(tmp_path):
     path = _trace_file(tmp_path, num_experts=16, top_k=4)
-    argv = ["study", "--out", str(tmp_path / "r"), "--presets", "moe-8x2", "--routing",
+    out = tmp_path / "r"
+    argv = ["study", "--out", str(out), "--presets", "moe-8x2,dense-active", "--routing",
             "trace", "--routing-trace", str(path), "--scale-layers", "0.17", "--reps", "1",
-            "--batch-sizes", "1,2,4,8", "--num-tokens", "1", "--e2e-model", "none"]
-    assert main(argv) == 2
-    assert "N=16, k=4; preset moe-8x2 needs N=8, k=2" in capsys.readouterr().err
+            "--batch-sizes", "1,2", "--num-tokens", "1,2", "--context-len", "8",
+            "--routing-model", "none", "--e2e-model", "none", "--threads", "1"]
+    assert main(argv) == 0
+    r = json.loads((out / "results.json").read_text())
+    assert list(r["presets"]) == ["moe-16x4", "dense-active"]
+    p = r["presets"]["moe-16x4"]["preset"]
+    assert (p["num_experts"], p["top_k"], p["intermediate_size"]) == (16, 4, 128 * 384 // 16)
+    assert any("replaced by moe-16x4" in w for w in r["warnings"])
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--num-tokens", "1"], "a T >= 2"),
+    (["--draft-cost-ratio", "-1"], "draft_cost_ratio=-1.0"),
+    (["--draft-cost-ratio", "nan"], "draft_cost_ratio=nan"),
+    (["--overlap", "2"], "overlap=2.0"),
+    (["--reps", "0"], "reps=0"),
+    (["--seed", "-1"], "seed=-1"),
+    (["--device", "tpu"], "device='tpu'"),
+    (["--presets", "moe-8x2", "--batch-sizes", "1,2"], "too few T=1 points"),
+    (["--acceptance", "1=1.5", "--num-tokens", "1,3"], "measures no T = K + 1"),
+    (["--acceptance", "1=1.5", "--acceptance-json", "x.json"], "not both"),
+    (["--acceptance-json", "/nonexistent/results.json"], "does not exist"),
+    (["--acceptance-group", "nope"], "groups are"),
+    (["--routing", "trace"], "needs routing_trace"),
+    (["--routing-trace", "/nonexistent.jsonl"], "nonexistent.jsonl"),
+])
+def test_bad_options_fail_before_measuring(extra, message, capsys):
+    assert main(["study", "--routing-model", "none", "--e2e-model", "none", *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_out_paths_and_acceptance_text(tmp_path, capsys):
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    assert main(["study", "--out", str(a_file), "--routing-model", "none"]) == 2
+    assert "is a file" in capsys.readouterr().err
+    for bad in ("garbage", "1=0.5", "1=1.5,1=1.6", ""):
+        with pytest.raises(SystemExit):
+            main(["study", "--acceptance", bad])
+        assert "acceptance length" in capsys.readouterr().err
