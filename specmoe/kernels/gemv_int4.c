@@ -1,35 +1,50 @@
 /* y[T, N] = x[T, K] @ W^T (+ b[N]) for int4 weights, T <= 16, fp32 accumulation.
  *
- * Layout (built by specmoe/kernels/gemv_int4.py `pack_int4`), groups of 32 inputs, K % 32 == 0:
+ * Layout (specmoe/kernels/gemv_int4.py `pack_int4`), groups of 32 inputs, K % 32 == 0:
  *   packed  uint8 [N, K/2]: byte j of row n = q[n, 2j] | q[n, 2j+1] << 4, q in [0, 15]
- *   scales  bf16  [N, K/32]: s[n, g]
- *   zeros   bf16  [N, K/32]: z[n, g]
- *   W[n, 32g + i] = (q[n, 32g + i] - 8) * s[n, g] + z[n, g]   (as Int4Linear / torch's
- *   `_weight_int4pack_mm_for_cpu`; scale and zero stay the exact bf16 values quantize_int4
- *   made, 4 bytes per group rather than 8 for fp32: the weight stream is 20 bytes per group.)
+ *   scales  bf16  [N, K/32]: s[n, g]        zeros  bf16  [N, K/32]: z[n, g]
+ *   W[n, 32g + i] = (q[n, 32g + i] - 8) * s[n, g] + z[n, g]
+ * as Int4Linear and torch's `_weight_int4pack_mm_for_cpu` define it. Scale and zero stay the
+ * exact bf16 values `quantize_int4` made (no folded zero to round): 20 bytes per group of 32
+ * weights, the same as torch's layout (fp32 scales and zeros would be 24).
  *
- * Math. Per group, sum_i x_i W_i = s * sum_i x_i q_i + (z - 8 s) * sum_i x_i, so the weights
- * are multiplied as small integers and each group's scale is applied once to its dot product
- * (the group-quantised GEMV of llama.cpp / GPTQ-style kernels; here with float dots). The
- * integers are made bf16 without a conversion: a 16-bit lane holding 0x4300 | q is the bf16
- * number 128 + q, so the dot runs on `vdpbf16ps` with x (rounded to bf16, as the layer
- * rounds it) and the offset folds into the zero term:
+ * Math. Per group, sum_i x_i W_i = s * sum_i x_i q_i + (z - 8 s) * sum_i x_i: the weights are
+ * multiplied as small integers and each group's scale is applied once, to its dot product
+ * (the factoring of group-quantised GEMV kernels: llama.cpp's Q4_1 dot, GPTQ/AWQ kernels;
+ * here with float dots). The integers become bf16 without a conversion (the "magic number"
+ * trick of int4 -> fp16 converters, e.g. FasterTransformer's; Kim et al. 2022, "Who Says
+ * Elephants Can't Run", arXiv:2211.10017): the 16-bit lane 0x43qq is the bf16 number 128 + q,
+ * so the dot runs on `vdpbf16ps` with x rounded to bf16 (as the layer rounds it) and the
+ * offset folds into the zero term:
  *     sum_i x_i W_i = s * D + (z - 136 s) * X,   D = sum_i x_i (128 + q_i),  X = sum_i x_i.
- * Products are exact in fp32; the 128 offset costs ~4 of fp32's 24 bits in D, far below the
- * bf16 rounding of x and y. Once per call x is permuted per pair of groups into
- * [evens g, evens g+1 | odds g, odds g+1] (bf16) and its group sums X are taken, so a pair
- * (32 bytes) is unpacked by one zero-extend to 16-bit lanes, an and (low nibbles = even
- * inputs) and a shift (high nibbles = odd inputs), with no shuffles; the 16 fp32 lanes of
- * the dot then hold group g in lanes 0-7 and g+1 in 8-15, scaled by one permuted vector of
- * scales. Each unpacked pair is used for all (up to 8 at a time) rows of x; the zero terms
- * are one vector dot of (z - 136 s) with X per row.
+ * Products are exact in fp32; the offset costs ~4 of fp32's 24 bits in D, far below the bf16
+ * rounding of x and y (and |x| beyond ~1e36 would overflow D).
  *
- * Each OpenMP thread takes one contiguous range of output rows (one forward stream of each
- * array); small matrices run on one thread. Without AVX512-BF16 the bf16 pairs are widened
- * by shifts and multiplied with FMA, as in gemv_bf16.c.
+ * Per call, x is reordered into blocks of 4 groups (128 inputs) to match the unpacked weights
+ * and its group sums X are taken (prepare_x). A block of weights (64 bytes) is unpacked with
+ * two ands, a shift and four in-lane byte unpacks against 0x43 (no cross-lane shuffles); the
+ * unpacked block is used for all rows of x (up to 8 at a time), its four dots per row go into
+ * one vector whose 128-bit lane l belongs to group l, scaled by one vector of the 4 scales.
+ * The zero terms are one vector dot of (z - 136 s) with X per weight row; the per-row
+ * vectors are summed 16 rows at a time by a permute tree and stored as one vector.
  *
- * Measured on 2 Zen 5 cores (bench/bench_int4.py, Qwen2.5-0.5B shapes, weights far beyond
- * L3, 1 thread): see the numbers in that script's docstring.
+ * One row of x walks the weight rows one after another (one stream for the prefetchers,
+ * helped by software prefetch of all three arrays); more rows take weight rows in pairs so
+ * each load of x serves two. When x exceeds 32 KB (K = 4864 from 4 rows), K is walked in
+ * chunks whose x stays in L1, 16 weight rows at a time. Each OpenMP thread takes one
+ * contiguous range of output rows; small matrices run on one thread, with no parallel
+ * region. Without AVX512-BF16 the bf16 pairs are widened by shifts and multiplied with FMA,
+ * as in gemv_bf16.c.
+ *
+ * Measured on 2 Zen 5 cores (bench/bench_int4.py: Qwen2.5-0.5B shapes, weights far beyond
+ * L3, GB/s of int4 weight bytes; ours vs torch's int4 kernel in the same run; a plain
+ * streaming read gets ~36 GB/s on 1 core, ~45 on 2). 1 thread: 1 row 24-33 vs 17-22 GB/s
+ * (1.37-1.69x; the 896 x 896 q/o pay ~4 us of call overhead in 20 us), 2 rows 21-26 vs
+ * 15-18 (1.37-1.67x), 4 rows 15-18 vs 11-13 (1.2-1.46x), 8 rows 8.2-8.9 vs 6.1-6.7
+ * (1.3-1.37x: from 4 rows the multiplies set the pace; at 8 about as fast as the bf16
+ * kernel reading 3.2x the bytes). 2 threads: 1 row 33-48 vs 29-40 (1.09-1.33x), 8 rows
+ * 1.2-1.38x. Whole draft model (Qwen2.5-Coder-0.5B int4, greedy): 1.65x tokens/s on 1
+ * thread, 1.49x on 2.
  *
  * Built by specmoe/kernels/build.py with gcc -O3 -march=native -fopenmp.
  */
@@ -48,12 +63,15 @@
 #define BLOCK_ELEMS 128 /* inputs of a block of 4 groups (64 packed bytes) */
 #define MAGIC_HI 0x43   /* high byte of bf16 128.0: 0x43qq is bf16(128 + q) for q < 128 */
 #define ZERO_SHIFT 136.0f /* 8 (q's offset) + 128 (MAGIC's) */
-#define MIN_BYTES_PER_THREAD (256 << 10) /* smaller weights run on one thread */
-#define BLOCK_BYTES (16 << 10) /* weight rows per block when T > 8: re-read from L1 */
-#define MAX_L1_X_BYTES (24 << 10) /* larger x: two weight rows share each x load */
-#ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 2048 /* how far ahead the packed stream is prefetched */
-#endif
+#define NEAR_PREFETCH_BYTES 512 /* chunked: the next lines of a row's chunk, from L2 */
+#define MIN_BYTES_PER_THREAD (64 << 10) /* less weight per thread runs on fewer threads */
+#define BLOCK_BYTES (16 << 10) /* T > 8: rows per block, re-read from cache by the 2nd group */
+/* x beyond ~16 KB is evicted from L1 by the weight stream and read again from L2 for each
+ * weight row (tiles of two rows halve that). Measured: up to 32 KB that costs less than
+ * walking K in chunks of CHUNK_X_BYTES of x for 16 rows at a time; beyond, more. */
+#define MAX_UNCHUNKED_X_BYTES (32 << 10)
+#define CHUNK_X_BYTES (16 << 10)
+#define PREFETCH_BYTES 6144 /* unchunked: how far ahead the packed stream is prefetched */
 
 #ifdef __AVX512BF16__
 #define SPECMOE_ISA 2
@@ -74,17 +92,6 @@ static inline __attribute__((always_inline)) __m512 dot_pairs(__m512 acc, __m512
 
 /* 2: vdpbf16ps, 1: shift + FMA. Lets Python report which path it built. */
 int specmoe_gemv_int4_isa(void) { return SPECMOE_ISA; }
-
-static inline float bf16_to_f32(uint16_t v) {
-    union { uint32_t u; float f; } c = {.u = (uint32_t)v << 16};
-    return c.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN stays NaN */
-    union { float f; uint32_t u; } c = {.f = f};
-    if ((c.u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((c.u >> 16) | 0x40);
-    return (uint16_t)((c.u + 0x7FFFu + ((c.u >> 16) & 1u)) >> 16);
-}
 
 /* 16 bf16 values (the first `n` of them, zeros after) as fp32. */
 static inline __m512 load_bf16x16(const uint16_t *p, int n) {
@@ -108,27 +115,29 @@ static void *get_workspace(size_t bytes) {
     return workspace;
 }
 
-/* 32 inputs of group g of an x row (bf16 or fp32, rounded to bf16) as 32 bf16. */
+/* 16 fp32 -> 16 bf16, rounded to nearest even, NaN stays NaN (the AVX512-BF16 instruction
+ * also flushes denormals to zero). */
+static inline __m256i f32x16_to_bf16(__m512 f) {
+#ifdef __AVX512BF16__
+    return (__m256i)_mm512_cvtneps_pbh(f);
+#else
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, lsb), _mm512_set1_epi32(0x7FFF)), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+        _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
+    return _mm512_cvtepi32_epi16(
+        _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+#endif
+}
+
+/* The 32 inputs of a group from an x row (bf16, or fp32 rounded to bf16) as 32 bf16. */
 static inline __m512i load_group(const void *x, int x_is_bf16, int64_t offset) {
     if (x_is_bf16) return _mm512_loadu_si512((const uint16_t *)x + offset);
     const float *p = (const float *)x + offset;
-#ifdef __AVX512BF16__
-    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + 16), _mm512_loadu_ps(p));
-#else
-    __m512i half[2];
-    for (int i = 0; i < 2; i++) { /* round to nearest even; NaN stays NaN */
-        const __m512i u = _mm512_loadu_si512(p + 16 * i);
-        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, lsb),
-                                                       _mm512_set1_epi32(0x7FFF)), 16);
-        const __mmask16 nan = _mm512_cmpgt_epu32_mask(
-            _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
-        half[i] = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    }
-    return _mm512_permutex2var_epi16(half[0], _mm512_set_epi16(
-        62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32,
-        30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0), half[1]);
-#endif
+    return _mm512_inserti64x4(_mm512_castsi256_si512(f32x16_to_bf16(_mm512_loadu_ps(p))),
+                              f32x16_to_bf16(_mm512_loadu_ps(p + 16)), 1);
 }
 
 /* Block b of x row t: groups 4b..4b+3 (zeros past K) reordered as the unpacked weights are
@@ -174,8 +183,9 @@ static void prepare_x(const void *x, int x_is_bf16, int64_t T, int64_t K, int64_
                 h[i] = 4 * c + i < NB ? prepare_block(x, x_is_bf16, t * K, NG, 4 * c + i,
                                                       xp + ((4 * c + i) * T + t) * BLOCK_ELEMS)
                                       : _mm512_setzero_ps();
-            const __m512 sums = _mm512_mask_blend_ps(0xFF00, _mm512_permutex2var_ps(h[0], pick, h[1]),
-                                                     _mm512_permutex2var_ps(h[2], pick, h[3]));
+            const __m512 sums = _mm512_mask_blend_ps(
+                0xFF00, _mm512_permutex2var_ps(h[0], pick, h[1]),
+                _mm512_permutex2var_ps(h[2], pick, h[3]));
             _mm512_storeu_ps(xs + (c * T + t) * 16, sums);
         }
 }
@@ -204,26 +214,49 @@ static inline __m512 block_scales(const uint16_t *s, int n) {
     return _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, idx, v));
 }
 
+/* Prefetch for the block of groups g.. at w (packed), s and z (scales, zeros of the row):
+ * far = 0, into L1 pf_w / pf_sz bytes ahead; far = 1 (chunked), into L2 at those offsets
+ * (16 rows ahead) and into L1 the next lines of this row. A line of scales covers 32 groups
+ * but is prefetched every 8 (cheaper than tracking which lines were). */
+static inline __attribute__((always_inline)) void prefetch(
+    const int far, const uint8_t *w, const uint16_t *s, const uint16_t *z, int64_t pf_w,
+    int64_t pf_sz, int64_t g) {
+    if (far) {
+        _mm_prefetch((const char *)w + pf_w, _MM_HINT_T1);
+        _mm_prefetch((const char *)w + NEAR_PREFETCH_BYTES, _MM_HINT_T0);
+        if (g % 32 == 0) {
+            _mm_prefetch((const char *)s + pf_sz, _MM_HINT_T1);
+            _mm_prefetch((const char *)z + pf_sz, _MM_HINT_T1);
+        }
+    } else {
+        _mm_prefetch((const char *)w + pf_w, _MM_HINT_T0);
+        if (g % 8 == 0) {
+            _mm_prefetch((const char *)s + pf_sz, _MM_HINT_T0);
+            _mm_prefetch((const char *)z + pf_sz, _MM_HINT_T0);
+        }
+    }
+}
+
 /* One block of 4 groups (g..g+3, the first ng of them) of R weight rows (wr, sr: the first
  * row's) x G input rows into acc[r][t]. Each row's weights are unpacked once; for each
- * input row, x is loaded once per vector and used for all R rows (with R = 2, x is read
- * from cache half as often when it does not fit in L1); the four dots go into one vector,
- * scaled once. */
+ * input row, x is loaded once per vector and used for all R rows (R = 2 halves the loads of
+ * x), the four dots go into one vector (two chains, for latency), scaled once. The weight
+ * streams are prefetched pf_w bytes ahead (scales and zeros pf_sz), into L1 (far = 0) or
+ * L2 (far = 1). */
 static inline __attribute__((always_inline)) void block_step(
-    const int R, const int G, __m512 acc[2][MAX_GROUP], const uint8_t *wr, const uint16_t *sr,
-    const uint16_t *zr, const uint16_t *xb, int64_t w_stride, int64_t sz_stride, int64_t g, int ng) {
+    const int R, const int G, const int far, __m512 acc[2][MAX_GROUP], const uint8_t *wr,
+    const uint16_t *sr, const uint16_t *zr, const uint16_t *xb, int64_t w_stride,
+    int64_t sz_stride, int64_t pf_w, int64_t pf_sz, int64_t g, int ng) {
     const __mmask64 m = ng == 4 ? ~(__mmask64)0 : ((__mmask64)1 << (16 * ng)) - 1;
     __m512i v[2][4];
     __m512 sv[2];
 #pragma GCC unroll 2
     for (int r = 0; r < R; r++) {
         const uint8_t *w = wr + r * w_stride + g * 16;
-        _mm_prefetch((const char *)w + PREFETCH_BYTES, _MM_HINT_T0);
-#ifdef PF_SZ
-        _mm_prefetch((const char *)(sr + r * sz_stride + g) + PF_SZ, _MM_HINT_T0);
-        _mm_prefetch((const char *)(zr + r * sz_stride + g) + PF_SZ, _MM_HINT_T0);
-#endif
-        unpack_block(ng == 4 ? _mm512_loadu_si512(w) : _mm512_maskz_loadu_epi8(m, w), v[r]);
+        prefetch(far, w, sr + r * sz_stride + g, zr + r * sz_stride + g, pf_w, pf_sz, g);
+        __m512i b = ng == 4 ? _mm512_loadu_si512(w) : _mm512_maskz_loadu_epi8(m, w);
+        __asm__("" : "+v"(b)); /* one load of b, not one per use (loads are the bottleneck) */
+        unpack_block(b, v[r]);
         sv[r] = block_scales(sr + r * sz_stride + g, ng);
     }
 #pragma GCC unroll 8
@@ -243,7 +276,8 @@ static inline __attribute__((always_inline)) void block_step(
 }
 
 /* What one call works on: prepared x, the weights (row n of packed, scales and zeros at
- * n * w_stride bytes, n * sz_stride and n * sz_stride elements), bias and y. */
+ * n * w_stride bytes, n * sz_stride and n * sz_stride elements), bias and y; chunk: groups
+ * per pass over x (all K / 32 unless x exceeds MAX_UNCHUNKED_X_BYTES). */
 struct call {
     const uint16_t *xp;
     const float *xs;
@@ -253,39 +287,45 @@ struct call {
     const float *bias;
     void *y;
     int y_is_bf16;
-    int64_t T, K, N;
+    int64_t T, K, N, chunk;
 };
 
-/* R weight rows (n..n+R-1) x G input rows (t0..t0+G-1), all K columns: y[t * N + n + r].
- * Blocks of 4 groups go two at a time into two sets of accumulators (hides FMA latency at
- * few rows), then the zero terms, (z - 136 s) . X, 16 groups a step. */
-static inline __attribute__((always_inline)) void tile(const int R, const int G,
-                                                       const struct call *c, int64_t t0,
-                                                       int64_t n) {
-    const int64_t T = c->T, N = c->N, NG = c->K / GROUP, xstride = T * BLOCK_ELEMS;
-    const int64_t w_stride = c->w_stride, sz_stride = c->sz_stride;
+/* acc += groups [g0, g1) (g0 a multiple of 8) of R weight rows (n..n+R-1) x G input rows
+ * (t0..t0+G-1). With U = 2, blocks alternate between acc[0] and acc[1] (hides FMA latency
+ * at few rows). */
+static inline __attribute__((always_inline)) void accumulate(
+    const int R, const int G, const int U, const int far, const struct call *c, int64_t t0,
+    int64_t n, int64_t g0, int64_t g1, __m512 acc[2][2][MAX_GROUP], int64_t pf_w,
+    int64_t pf_sz) {
+    const int64_t xstride = c->T * BLOCK_ELEMS, w_stride = c->w_stride, sz_stride = c->sz_stride;
     const uint16_t *xp = c->xp + t0 * BLOCK_ELEMS;
-    const float *xs = c->xs + t0 * 16;
     const uint8_t *wr = c->packed + n * w_stride;
     const uint16_t *sr = c->scales + n * sz_stride, *zr = c->zeros + n * sz_stride;
-    __m512 acc[2][2][MAX_GROUP];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 8
-        for (int t = 0; t < G; t++) acc[0][r][t] = acc[1][r][t] = _mm512_setzero_ps();
-    int64_t g = 0;
-    for (; g + 8 <= NG; g += 8) {
-        block_step(R, G, acc[0], wr, sr, zr, xp + (g / 4) * xstride, w_stride, sz_stride, g, 4);
-        block_step(R, G, acc[1], wr, sr, zr, xp + (g / 4 + 1) * xstride, w_stride, sz_stride,
-                   g + 4, 4);
+    int64_t g = g0;
+    for (; g + 8 <= g1; g += 8) {
+        block_step(R, G, far, acc[0], wr, sr, zr, xp + (g / 4) * xstride, w_stride, sz_stride,
+                   pf_w, pf_sz, g, 4);
+        block_step(R, G, far, acc[U - 1], wr, sr, zr, xp + (g / 4 + 1) * xstride, w_stride,
+                   sz_stride, pf_w, pf_sz, g + 4, 4);
     }
-    if (g + 4 <= NG) {
-        block_step(R, G, acc[0], wr, sr, zr, xp + (g / 4) * xstride, w_stride, sz_stride, g, 4);
+    if (g + 4 <= g1) {
+        block_step(R, G, far, acc[0], wr, sr, zr, xp + (g / 4) * xstride, w_stride, sz_stride,
+                   pf_w, pf_sz, g, 4);
         g += 4;
     }
-    if (g < NG)
-        block_step(R, G, acc[1], wr, sr, zr, xp + (g / 4) * xstride, w_stride, sz_stride, g,
-                   (int)(NG - g));
+    if (g < g1)
+        block_step(R, G, far, acc[U - 1], wr, sr, zr, xp + (g / 4) * xstride, w_stride,
+                   sz_stride, pf_w, pf_sz, g, (int)(g1 - g));
+}
+
+/* The zero terms, (z - 136 s) . X 16 groups a step, added to acc; then each output's vector
+ * (lanes still to be added) into sums[t][m + r]. */
+static inline __attribute__((always_inline)) void finish(
+    const int R, const int G, const struct call *c, int64_t t0, int64_t n,
+    __m512 acc[2][2][MAX_GROUP], __m512 sums[MAX_GROUP][16], int m) {
+    const int64_t T = c->T, NG = c->K / GROUP, sz_stride = c->sz_stride;
+    const float *xs = c->xs + t0 * 16;
+    const uint16_t *sr = c->scales + n * sz_stride, *zr = c->zeros + n * sz_stride;
     const __m512 shift = _mm512_set1_ps(-ZERO_SHIFT);
     for (int64_t k = 0; k * 16 < NG; k++) {
         const int ng = NG - k * 16 < 16 ? (int)(NG - k * 16) : 16;
@@ -300,58 +340,182 @@ static inline __attribute__((always_inline)) void tile(const int R, const int G,
         }
     }
 #pragma GCC unroll 2
-    for (int r = 0; r < R; r++) {
-        const float b = c->bias ? c->bias[n + r] : 0.0f;
+    for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
-        for (int t = 0; t < G; t++) {
-            const float v = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][r][t], acc[1][r][t])) + b;
-            if (c->y_is_bf16) ((uint16_t *)c->y)[(t0 + t) * N + n + r] = f32_to_bf16(v);
-            else ((float *)c->y)[(t0 + t) * N + n + r] = v;
+        for (int t = 0; t < G; t++) sums[t][m + r] = _mm512_add_ps(acc[0][r][t], acc[1][r][t]);
+}
+
+static inline __attribute__((always_inline)) void zero_acc(const int R, const int G,
+                                                           __m512 acc[2][2][MAX_GROUP]) {
+#pragma GCC unroll 2
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int t = 0; t < G; t++) acc[0][r][t] = acc[1][r][t] = _mm512_setzero_ps();
+}
+
+/* Lane sums of v[0..15] as one vector (lane i = sum of v[i]): a tree of two-source
+ * permutes, each level halving the lanes per vector and doubling the vectors per lane. */
+static inline __m512 reduce16(__m512 v[16]) {
+    const __m512i lo[4] = {
+        _mm512_set_epi32(23, 22, 21, 20, 19, 18, 17, 16, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set_epi32(27, 26, 25, 24, 19, 18, 17, 16, 11, 10, 9, 8, 3, 2, 1, 0),
+        _mm512_set_epi32(29, 28, 25, 24, 21, 20, 17, 16, 13, 12, 9, 8, 5, 4, 1, 0),
+        _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0)};
+    const int shift[4] = {8, 4, 2, 1};
+    for (int level = 0, count = 16; level < 4; level++, count /= 2) {
+        const __m512i hi = _mm512_add_epi32(lo[level], _mm512_set1_epi32(shift[level]));
+        for (int i = 0; i < count / 2; i++)
+            v[i] = _mm512_add_ps(_mm512_permutex2var_ps(v[2 * i], lo[level], v[2 * i + 1]),
+                                 _mm512_permutex2var_ps(v[2 * i], hi, v[2 * i + 1]));
+    }
+    return v[0];
+}
+
+/* y[t0 + t, n0 .. n0 + m) = lane sums of sums[t][0 .. m) + bias, for m <= 16 rows. */
+static inline __attribute__((always_inline)) void store_rows(
+    const int G, const struct call *c, __m512 sums[MAX_GROUP][16], int64_t t0, int64_t n0,
+    int m) {
+    const __mmask16 mask = (__mmask16)((1u << m) - 1);
+    const __m512 b = c->bias ? _mm512_maskz_loadu_ps(mask, c->bias + n0) : _mm512_setzero_ps();
+    for (int t = 0; t < G; t++) {
+        const __m512 v = _mm512_add_ps(reduce16(sums[t]), b);
+        const int64_t at = (t0 + t) * c->N + n0;
+        if (c->y_is_bf16) {
+            const __m256i h = f32x16_to_bf16(v);
+            if (m == 16) _mm256_storeu_si256((__m256i *)((uint16_t *)c->y + at), h);
+            else _mm256_mask_storeu_epi16((uint16_t *)c->y + at, mask, h);
+        } else {
+            if (m == 16) _mm512_storeu_ps((float *)c->y + at, v);
+            else _mm512_mask_storeu_ps((float *)c->y + at, mask, v);
         }
     }
 }
 
-#define CASE(R, G) case R * 16 + G: tile(R, G, c, t0, n); break
+/* Rows [n0, n1) x input rows t0..t0+G-1, x small enough for L1: tiles of R rows (single
+ * rows at the end), each over all of K, the weight streams prefetched PREFETCH_BYTES ahead
+ * into L1; sums stored 16 rows at a time. */
+static inline __attribute__((always_inline)) void tiles(const int R, const int G,
+                                                        const struct call *c, int64_t t0,
+                                                        int64_t n0, int64_t n1) {
+    const int U = R * G <= 2 ? 2 : 1, NG = c->K / GROUP;
+    __m512 sums[MAX_GROUP][16], acc[2][2][MAX_GROUP];
+    int m = 0;
+    for (int64_t n = n0; n < n1;) {
+        const int r = n + R <= n1 ? R : 1;
+        if (r == R) {
+            zero_acc(R, G, acc);
+            accumulate(R, G, U, 0, c, t0, n, 0, NG, acc, PREFETCH_BYTES, PREFETCH_BYTES / 8);
+            finish(R, G, c, t0, n, acc, sums, m);
+        } else {
+            zero_acc(1, G, acc);
+            accumulate(1, G, 2, 0, c, t0, n, 0, NG, acc, PREFETCH_BYTES, PREFETCH_BYTES / 8);
+            finish(1, G, c, t0, n, acc, sums, m);
+        }
+        n += r;
+        m += r;
+        if (m == 16 || n == n1) {
+            store_rows(G, c, sums, t0, n - m, m);
+            m = 0;
+        }
+    }
+}
+
+/* Groups [g0, g1) of rows n..n+R-1 on top of the sums so far in saved[r] (none at g0 = 0). */
+static inline __attribute__((always_inline)) void chunk_step(
+    const int R, const int G, const struct call *c, int64_t t0, int64_t n, int64_t g0,
+    int64_t g1, __m512 saved[][MAX_GROUP], int64_t pf_w, int64_t pf_sz) {
+    __m512 acc[2][2][MAX_GROUP];
+#pragma GCC unroll 2
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int t = 0; t < G; t++) acc[0][r][t] = g0 ? saved[r][t] : _mm512_setzero_ps();
+    accumulate(R, G, 1, 1, c, t0, n, g0, g1, acc, pf_w, pf_sz);
+#pragma GCC unroll 2
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int t = 0; t < G; t++) saved[r][t] = acc[0][r][t];
+}
+
+/* The same with x too large for L1 (it would be evicted by the weight stream and read from
+ * L2): 16 rows at a time, K in chunks of c->chunk groups whose x stays in L1, the
+ * accumulators kept in memory between chunks. Each weight line is prefetched into L2 while
+ * the same line 16 rows earlier is used. */
+static inline __attribute__((always_inline)) void tiles_chunked(const int R, const int G,
+                                                                const struct call *c,
+                                                                int64_t t0, int64_t n0,
+                                                                int64_t n1) {
+    const int64_t NG = c->K / GROUP, pf_w = 16 * c->w_stride, pf_sz = 32 * c->sz_stride;
+    __m512 sums[MAX_GROUP][16], saved[16][MAX_GROUP], acc[2][2][MAX_GROUP];
+    for (int64_t nb = n0; nb < n1; nb += 16) {
+        const int num = n1 - nb < 16 ? (int)(n1 - nb) : 16;
+        for (int64_t g0 = 0; g0 < NG; g0 += c->chunk) {
+            const int64_t g1 = g0 + c->chunk < NG ? g0 + c->chunk : NG;
+            int i = 0;
+            for (; i + R <= num; i += R)
+                chunk_step(R, G, c, t0, nb + i, g0, g1, saved + i, pf_w, pf_sz);
+            for (; i < num; i++)
+                chunk_step(1, G, c, t0, nb + i, g0, g1, saved + i, pf_w, pf_sz);
+        }
+        for (int i = 0; i < num; i++) {
+#pragma GCC unroll 8
+            for (int t = 0; t < G; t++) {
+                acc[0][0][t] = saved[i][t];
+                acc[1][0][t] = _mm512_setzero_ps();
+            }
+            finish(1, G, c, t0, nb + i, acc, sums, i);
+        }
+        store_rows(G, c, sums, t0, nb, num);
+    }
+}
+
+#define CASE(R, G) case R * 16 + G: \
+    if (c->chunk < NG) tiles_chunked(R, G, c, t0, n0, n1); else tiles(R, G, c, t0, n0, n1); \
+    break
 #define CASES(R) CASE(R, 1); CASE(R, 2); CASE(R, 3); CASE(R, 4); CASE(R, 5); CASE(R, 6); \
     CASE(R, 7); CASE(R, 8)
-static void run_tile(int R, int G, const struct call *c, int64_t t0, int64_t n) {
+static void run_tiles(int R, int G, const struct call *c, int64_t t0, int64_t n0, int64_t n1) {
+    const int64_t NG = c->K / GROUP;
     switch (R * 16 + G) { CASES(1); CASES(2); }
 }
 #undef CASES
 #undef CASE
 
 /* Rows [n0, n1) for all T input rows, in blocks of rows that stay in cache while each group
- * of up to 8 input rows passes over them (one block when T <= 8). */
+ * of up to 8 input rows passes over them (one block when T <= 8). One input row reads one
+ * weight row after another (one stream, best for the prefetcher); more share each load of
+ * x between two weight rows. */
 static void rows(const struct call *c, int64_t n0, int64_t n1) {
     const int64_t T = c->T, K = c->K;
     const int64_t num_groups = (T + MAX_GROUP - 1) / MAX_GROUP;
     const int64_t G = (T + num_groups - 1) / num_groups; /* balanced, e.g. 9 -> 5 + 4 */
-    const int64_t block = num_groups == 1 ? n1 - n0 : 2 + BLOCK_BYTES / (K / 2 + K / 8);
-    const int R = T * K * 2 > MAX_L1_X_BYTES ? 2 : 1;
+    const int64_t row_bytes = K / 2 + K / 8;
+    const int64_t block = num_groups == 1 ? n1 - n0 : 16 * (1 + BLOCK_BYTES / (16 * row_bytes));
+    const int R = T == 1 ? 1 : 2;
     for (int64_t b0 = n0; b0 < n1; b0 += block) {
         const int64_t b1 = b0 + block < n1 ? b0 + block : n1;
-        for (int64_t t0 = 0; t0 < T; t0 += G) {
-            const int g = (int)(T - t0 < G ? T - t0 : G);
-            for (int64_t n = b0; n < b1;) {
-                const int r = n + R <= b1 ? R : 1;
-                run_tile(r, g, c, t0, n);
-                n += r;
-            }
-        }
+        for (int64_t t0 = 0; t0 < T; t0 += G)
+            run_tiles(R, (int)(T - t0 < G ? T - t0 : G), c, t0, b0, b1);
     }
 }
 
-/* Entry point. x [T, K] bf16 (x_is_bf16) or fp32; weights as in the header, row n of packed
- * at packed + n * w_stride (bytes), of scales and zeros at + n * sz_stride (elements), so
- * they may be separate arrays or one row-interleaved buffer; bias [N] fp32 or NULL; y [T, N]
- * bf16 (y_is_bf16) or fp32. Returns 0; -1 when T is outside 1..16 or K is not a positive
- * multiple of 32; -2 when the work space cannot be allocated (nothing written). Each thread
- * takes one contiguous range of rows (starting at an even row), so it reads one forward
- * stream. */
-int specmoe_linear_int4(const void *x, int x_is_bf16, const uint8_t *packed,
-                        const uint16_t *scales, const uint16_t *zeros, int64_t w_stride,
-                        int64_t sz_stride, const float *bias, void *y, int y_is_bf16,
-                        int64_t T, int64_t K, int64_t N, int num_threads) {
+/* The weights of one layer, as the caller keeps them between calls: row n of packed at
+ * packed + n * w_stride bytes, of scales and zeros at + n * sz_stride elements (separate
+ * arrays or one row-interleaved buffer); bias [N] fp32 or NULL; K inputs, N outputs. */
+struct specmoe_int4_weights {
+    const uint8_t *packed;
+    const uint16_t *scales, *zeros;
+    int64_t w_stride, sz_stride;
+    const float *bias;
+    int64_t K, N;
+};
+
+/* Entry point: y [T, N] = x [T, K] @ W^T (+ bias), x and y both bf16 (is_bf16) or both
+ * fp32. Returns 0; -1 when T is outside 1..16 or K is not a positive multiple of 32; -2
+ * when the work space cannot be allocated (nothing written). Each thread takes one
+ * contiguous range of rows (starting at an even row), so it reads one forward stream. */
+int specmoe_linear_int4(const struct specmoe_int4_weights *w, const void *x, void *y,
+                        int64_t T, int is_bf16, int num_threads) {
+    const int64_t K = w->K, N = w->N;
     if (T < 1 || T > MAX_T || K < GROUP || K % GROUP || N < 1) return -1;
     const int64_t NG = K / GROUP, NB = (NG + 3) / 4, NS = (NG + 15) / 16 * 16;
     const size_t xp_bytes = (size_t)(T * NB * BLOCK_ELEMS * 2);
@@ -359,14 +523,20 @@ int specmoe_linear_int4(const void *x, int x_is_bf16, const uint8_t *packed,
     if (!ws) return -2;
     uint16_t *xp = (uint16_t *)ws;
     float *xs = (float *)(ws + xp_bytes);
-    prepare_x(x, x_is_bf16, T, K, NB, NS, xp, xs);
-    const struct call c = {xp, xs, packed, scales, zeros, w_stride, sz_stride, bias, y,
-                           y_is_bf16, T, K, N};
+    prepare_x(x, is_bf16, T, K, NB, NS, xp, xs);
+    /* x of all T rows for chunk groups: CHUNK_X_BYTES (64 bytes a group and row) */
+    const int64_t chunk = T * K * 2 <= MAX_UNCHUNKED_X_BYTES ? NG
+                          : (CHUNK_X_BYTES / (64 * T)) / 8 * 8;
+    const struct call c = {xp, xs, w->packed, w->scales, w->zeros, w->w_stride, w->sz_stride,
+                           w->bias, y, is_bf16, T, K, N, chunk};
     const int64_t num_units = (N + 1) / 2;
     const int64_t max_threads = N * (K / 2 + NG * 4) / MIN_BYTES_PER_THREAD;
     if (num_threads > max_threads) num_threads = (int)max_threads;
     if (num_threads > num_units) num_threads = (int)num_units;
-    if (num_threads < 1) num_threads = 1;
+    if (num_threads <= 1) { /* no parallel region: it costs about a microsecond */
+        rows(&c, 0, N);
+        return 0;
+    }
 #pragma omp parallel num_threads(num_threads)
     {
         const int64_t nt = omp_get_num_threads(), i = omp_get_thread_num();

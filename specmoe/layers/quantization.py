@@ -4,16 +4,18 @@ Decoding one token reads every weight once, so bytes per weight set the speed. T
 keep weights as int8 (symmetric, one scale per output channel) or int4 (asymmetric, one scale
 and offset per group of `group_size` inputs, as in GPTQ/AWQ-style group quantisation) and
 multiply with PyTorch's fused CPU kernels `aten._weight_int8pack_mm` and
-`aten._weight_int4pack_mm_for_cpu`. Each has a plain-torch reference that dequantises and
+`aten._weight_int4pack_mm_for_cpu`; int4 with 1..16 input rows (decode) runs our own kernel
+`specmoe.kernels.gemv_int4` instead, which reads the weights at close to memory bandwidth
+(torch's reaches about half of it). Each has a plain-torch reference that dequantises and
 calls `F.linear`; other devices use the reference.
 
 The kernels are fast for bfloat16 activations only (float32 ones take a path ~25-50x slower),
 so activations are rounded to bfloat16 for the matmul and the result is cast back; the
 references round the same way.
 
-Their cost grows with the number of input rows, unlike bf16 `F.linear` whose cost stays
-almost flat up to ~8 rows, so they suit the draft model (one token per forward) more than a
-target that verifies K + 1 tokens at once.
+Their cost grows with the number of input rows (ours too, though more slowly), unlike the
+bf16 kernel whose cost stays almost flat up to ~8 rows, so they suit the draft model (one
+token per forward) more than a target that verifies K + 1 tokens at once.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specmoe.config import QUANTIZATION_METHODS
+from specmoe.kernels import gemv_int4
 
 INT4_GROUP_SIZE = 32
 _INT4_N_ALIGN = 64  # the CPU int4 kernel works on tiles of output channels
@@ -70,10 +73,13 @@ class Int4Linear(nn.Module):
     """y = x @ W^T + b with W[n, g*G + j] = q[n, g*G + j] * scale[n, g] + min[n, g],
     q in [0, 15], G = group_size.
 
-    The fused kernel takes q packed by `aten._convert_weight_to_int4pack_for_cpu` (a tiled
+    torch's fused kernel takes q packed by `aten._convert_weight_to_int4pack_for_cpu` (a tiled
     layout) and `scales_and_zeros` [in / G, out, 2] holding (scale, min + 8 * scale), since it
-    computes (q - 8) * scale + zero. The plain-torch reference is `int4_linear_reference` on
-    the unpacked q from `quantize_int4`; off CPU the layer keeps unpacked q and uses it.
+    computes (q - 8) * scale + zero; it serves more than 16 input rows (prefill). On a CPU
+    that can run it, and with G = 32, the layer also keeps the weights in the layout of our
+    decode kernel (`cpu_kernel`, a `gemv_int4.Int4Weights`, not a buffer: one call reads one
+    layout) for 1..16 rows. The plain-torch reference is `int4_linear_reference` on the
+    unpacked q from `quantize_int4`; off CPU the layer keeps unpacked q and uses it.
     """
 
     def __init__(self, q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
@@ -85,6 +91,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", scales_and_zeros)
         self.group_size = group_size
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.cpu_kernel = _int4_kernel_weights(q, scales_and_zeros, group_size, bias)
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -97,10 +104,24 @@ class Int4Linear(nn.Module):
         if not self.is_cpu:
             return int4_linear_reference(x, self.packed, self.scales_and_zeros,
                                          self.group_size, self.bias)
+        if self.cpu_kernel is not None:
+            y = self.cpu_kernel.linear(x)  # None: off, > 16 rows, or x it does not take
+            if y is not None:
+                return y
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(KERNEL_DTYPE).contiguous(), self.packed, self.group_size,
             self.scales_and_zeros).to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+
+def _int4_kernel_weights(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+                         bias: torch.Tensor | None) -> gemv_int4.Int4Weights | None:
+    """Our decode kernel's copy of the weights, or None where it cannot run (not CPU, another
+    group size, a CPU without AVX-512). The kernel itself is built at its first call."""
+    if (q.device.type != "cpu" or group_size != gemv_int4.GROUP_SIZE
+            or gemv_int4.cpu_unsupported_reason()):
+        return None
+    return gemv_int4.Int4Weights(*gemv_int4.pack_int4(q, scales_and_zeros), bias)
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE

@@ -1,0 +1,242 @@
+"""The native int4 decode kernel agrees with the plain-torch reference `int4_linear_reference`,
+falls back where it must, and a whole int4 model generates the same greedy tokens with it on
+and off."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+from specmoe import kernels
+from specmoe.config import ModelConfig
+from specmoe.kernels import gemv_int4
+from specmoe.kernels.build import KernelBuildError
+from specmoe.layers.quantization import Int4Linear, int4_linear_reference, quantize_int4
+from specmoe.loader.model_loader import load_model
+from specmoe.worker.model_runner import ModelRunner
+
+# (in_features, out_features): one group, odd group counts (a half block at the row end),
+# Qwen2.5-0.5B's widths (896 hidden, 4864 intermediate), outputs that are odd or not a
+# multiple of the 16 rows stored at a time; x beyond 32 KB (4864 from 4 rows, 9248 from 2)
+# takes K in chunks.
+SHAPES = [(32, 1), (32, 7), (96, 5), (160, 37), (224, 129), (896, 128), (896, 131),
+          (4864, 37), (9248, 19)]
+
+
+@pytest.fixture
+def enabled():
+    """The kernel, switched on for one test (skips where it cannot be built)."""
+    reason = gemv_int4.kernel_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"CPU int4 kernel unavailable: {reason}")
+    was = kernels.is_enabled()
+    kernels.set_enabled(True)
+    yield
+    kernels.set_enabled(was)
+
+
+def _int4(k: int, n: int, seed: int = 0):
+    """Random q [n, k] in [0, 15] and (scale, zero) [k / 32, n, 2] bfloat16, as
+    `quantize_int4` returns them, for any n."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
+    scale = torch.rand(k // 32, n, generator=g) * 0.02 + 1e-3
+    zero = torch.randn(k // 32, n, generator=g) * 0.05
+    return q, torch.stack([scale, zero], dim=-1).bfloat16()
+
+
+def _reference(x: torch.Tensor, q, sz, bias) -> torch.Tensor:
+    """fp32 reference on x rounded to bf16, as the kernel rounds it."""
+    return int4_linear_reference(x.bfloat16().float(), q, sz, 32,
+                                 None if bias is None else bias.float())
+
+
+def _assert_matches(y: torch.Tensor, x: torch.Tensor, ref: torch.Tensor) -> None:
+    """fp32 output: summation-order noise (the kernel's 128 offset costs ~4 of fp32's bits);
+    bf16 output: plus one rounding of the output (2^-8 relative)."""
+    assert y.dtype == x.dtype and y.shape == ref.shape
+    atol = 2e-5 * x.shape[-1] ** 0.5
+    rtol = 2 ** -8 if x.dtype is torch.bfloat16 else 1e-5
+    torch.testing.assert_close(y.float(), ref, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_matches_reference(enabled, k, n, bias):
+    q, sz = _int4(k, n, seed=k + n)
+    b = torch.randn(n) if bias else None
+    weights = gemv_int4.Int4Weights(*gemv_int4.pack_int4(q, sz), b)
+    for t in range(1, kernels.MAX_ROWS + 1):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(t, k, generator=torch.Generator().manual_seed(t)).to(dtype)
+            y = weights.linear(x)
+            assert y is not None, f"T={t} {dtype} took the fallback"
+            _assert_matches(y, x, _reference(x, q, sz, b))
+
+
+def test_pack_int4_layout():
+    q, sz = _int4(64, 3)
+    packed, scales, zeros = gemv_int4.pack_int4(q, sz)
+    assert packed.shape == (3, 32) and packed.dtype == torch.uint8
+    assert torch.equal(packed[1, 5], (q[1, 10] | (q[1, 11] << 4)).to(torch.uint8))
+    assert torch.equal(scales, sz[..., 0].t()) and torch.equal(zeros, sz[..., 1].t())
+    with pytest.raises(ValueError, match="pack_int4 needs q"):
+        gemv_int4.pack_int4(q[:, :48], sz)
+    with pytest.raises(ValueError, match=r"\[0, 15\]"):
+        gemv_int4.pack_int4(q + 1, sz)
+
+
+def test_copies_point_at_their_own_tensors(enabled):
+    q, sz = _int4(64, 16)
+    weights = gemv_int4.Int4Weights(*gemv_int4.pack_int4(q, sz), torch.randn(16))
+    copied = copy.deepcopy(weights)
+    assert copied.packed.data_ptr() != weights.packed.data_ptr()
+    x = torch.randn(2, 64)
+    expected = weights.linear(x)
+    weights.packed.zero_()  # the copy must not read the original's memory
+    assert torch.equal(copied.linear(x), expected)
+
+
+def test_fma_variant_matches_reference(enabled):
+    """The build without AVX512-BF16 (shift + FMA dots, manual bf16 rounding) agrees too."""
+    try:
+        kernel = gemv_int4.load_kernel(("-mno-avx512bf16",))
+    except KernelBuildError as exc:
+        pytest.skip(f"FMA variant not buildable: {exc}")
+    assert kernel.library.specmoe_gemv_int4_isa() == 1
+    q, sz = _int4(160, 37)
+    b = torch.randn(37)
+    weights = gemv_int4.Int4Weights(*gemv_int4.pack_int4(q, sz), b)
+    for t in (1, 5, 9, 16):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(t, 160).to(dtype)
+            _assert_matches(gemv_int4.run_kernel(kernel, weights, x), x, _reference(x, q, sz, b))
+
+
+@pytest.mark.parametrize("k,n,cases", [
+    (896, 1001, [(1, 1), (1, 2), (6, 2), (6, 3), (11, 2)]),  # ~560 KB: two threads
+    (4864, 301, [(5, 2), (5, 3), (16, 2)]),                  # ~900 KB, K in chunks
+])
+def test_leading_dims_and_thread_counts(enabled, k, n, cases):
+    """Rows split among threads (ranges start at even rows) and x with leading dimensions."""
+    q, sz = _int4(k, n)
+    b = torch.randn(n)
+    weights = gemv_int4.Int4Weights(*gemv_int4.pack_int4(q, sz), b)
+    was = torch.get_num_threads()
+    try:
+        for t, threads in cases:
+            torch.set_num_threads(threads)
+            x = torch.randn(1, t, k)
+            y = weights.linear(x)  # [1, T, out]
+            assert y.shape == (1, t, n)
+            _assert_matches(y.view(t, n), x.view(t, k), _reference(x.view(t, k), q, sz, b))
+    finally:
+        torch.set_num_threads(was)
+
+
+def test_fallback_for_unsupported_inputs(enabled):
+    q, sz = _int4(64, 16)
+    packed, scales, zeros = gemv_int4.pack_int4(q, sz)
+    weights = gemv_int4.Int4Weights(packed, scales, zeros)
+    x = torch.randn(4, 64)
+    cases = {
+        "float16": x.half(),
+        "float64": x.double(),
+        "too many rows": torch.randn(kernels.MAX_ROWS + 1, 64),
+        "no rows": x[:0],
+        "non-contiguous x": torch.randn(64, 4).t(),
+        "shape mismatch": x[:, :32].contiguous(),
+    }
+    for name, xi in cases.items():
+        assert weights.linear(xi) is None, name
+    with torch.enable_grad():
+        assert weights.linear(x.clone().requires_grad_()) is None
+    assert gemv_int4.try_linear_int4(x, packed, scales.float(), zeros) is None
+    assert gemv_int4.try_linear_int4(x, packed, scales, zeros) is not None
+    with pytest.raises(ValueError, match="scales must be"):
+        gemv_int4.Int4Weights(packed, scales.float(), zeros)
+    with pytest.raises(ValueError, match="bias must be"):
+        gemv_int4.Int4Weights(packed, scales, zeros, torch.zeros(3))
+    kernels.set_enabled(False)
+    assert weights.linear(x) is None
+
+
+def test_layer_uses_kernel_for_decode_and_torch_beyond(enabled):
+    """Int4Linear: 1..16 rows through our kernel; more rows, or the kernel switched off,
+    through torch's `_weight_int4pack_mm_for_cpu`; all agree with the reference."""
+    w, b = torch.randn(192, 896) * 0.05, torch.randn(192)
+    q, sz = quantize_int4(w, 32)
+    layer = Int4Linear(q, sz, 32, b)
+    assert layer.cpu_kernel is not None
+
+    def torch_path(x):
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), layer.packed, 32,
+                                                       layer.scales_and_zeros).to(x.dtype)
+        return y + b.to(x.dtype)
+
+    tol = 3e-2  # torch's path rounds its output (and the bias sum) to bf16
+    for t in (1, 5, 16, 17):
+        x = torch.randn(t, 896)
+        y = layer(x)
+        if t <= kernels.MAX_ROWS:
+            assert torch.equal(y, layer.cpu_kernel.linear(x))
+        else:
+            assert torch.equal(y, torch_path(x))
+        torch.testing.assert_close(y, int4_linear_reference(x, q, sz, 32, b), atol=tol, rtol=tol)
+    kernels.set_enabled(False)
+    x = torch.randn(3, 896)
+    assert torch.equal(layer(x), torch_path(x))
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    cfg = transformers.Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("qwen2")
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return str(path)
+
+
+def _count_kernel_calls(monkeypatch) -> list[int]:
+    calls = [0]
+    run = gemv_int4.run_kernel
+
+    def counted(*args):
+        calls[0] += 1
+        return run(*args)
+
+    monkeypatch.setattr(gemv_int4, "run_kernel", counted)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int4_model_same_greedy_tokens_kernel_on_and_off(enabled, tiny_dir, monkeypatch, dtype):
+    """A whole int4 model decoding greedily: the same tokens with our kernel and with torch's,
+    and decode logits within bf16-level tolerance of each other."""
+    from specmoe import LLM, SamplingParams
+    calls = _count_kernel_calls(monkeypatch)
+    llm = LLM(tiny_dir, dtype=dtype, quantization="int4")
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], list(range(3, 40))]
+    on = [o.token_ids for o in llm.generate(prompts, sp)]
+    assert calls[0] > 0
+    kernels.set_enabled(False)
+    calls[0] = 0
+    off = [o.token_ids for o in llm.generate(prompts, sp)]
+    assert calls[0] == 0
+    assert on == off
+
+    runner = ModelRunner(load_model(ModelConfig(tiny_dir, dtype=dtype, quantization="int4")))
+    logits = {}
+    for is_on in (True, False):
+        kernels.set_enabled(is_on)
+        cache = runner.new_cache(64)
+        runner.forward(cache, list(range(3, 20)))  # prefill: 17 rows, torch's kernel
+        logits[is_on] = runner.forward(cache, [21]).float()  # decode: 1 row
+    tol = 2e-2 if dtype == "bfloat16" else 1e-2
+    torch.testing.assert_close(logits[True], logits[False], atol=tol, rtol=tol)
