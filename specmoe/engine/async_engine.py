@@ -29,6 +29,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from specmoe.engine.detokenizer import IncrementalDetokenizer
 from specmoe.outputs import RequestOutput, SpecDecodeStats, TokenLogprob
 from specmoe.request import Request
 
@@ -165,6 +166,7 @@ class _Tracked:
     num_sent_tokens: int = 0
     sent_text: str = ""
     first_token_time: float | None = None
+    detokenizer: IncrementalDetokenizer | None = None  # streaming text, built at first use
 
 
 @dataclass
@@ -394,8 +396,9 @@ class AsyncEngine:
         logprobs = (req.output_logprobs[t.num_sent_tokens:num_tokens]
                     if req.params.logprobs is not None else None)
         t.num_sent_tokens = num_tokens
-        text = safe_stream_text(self.llm.processor.decode(req.output_token_ids),
-                                req.params.stop)
+        if t.detokenizer is None:
+            t.detokenizer = IncrementalDetokenizer(self.llm.processor.decode)
+        text = safe_stream_text(t.detokenizer.update(req.output_token_ids), req.params.stop)
         delta_text = ""
         if text.startswith(t.sent_text) and len(text) > len(t.sent_text):
             delta_text = text[len(t.sent_text):]

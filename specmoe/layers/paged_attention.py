@@ -200,8 +200,7 @@ def _slot_mapping(starts: torch.Tensor, counts: torch.Tensor, tables: torch.Tens
     seq_of_token = torch.repeat_interleave(torch.arange(len(counts)), counts)  # [T]
     first_row = torch.cumsum(counts, 0) - counts
     positions = starts[seq_of_token] + torch.arange(int(counts.sum())) - first_row[seq_of_token]
-    blocks = tables[seq_of_token, positions // block_size]
-    return blocks * block_size + positions % block_size
+    return _slots(tables[seq_of_token], positions[:, None], block_size)[:, 0]
 
 
 def _causal_mask(q_pos: torch.Tensor, num_keys: int, sliding_window: int | None
