@@ -65,8 +65,10 @@ def build(source: str, extra_flags: tuple[str, ...] = ()) -> Path:
         raise KernelBuildError(f"no C compiler: {os.environ.get('CC', 'gcc')!r} not on PATH")
     src = SOURCE_DIR / source
     flags = CFLAGS + tuple(extra_flags)
-    key = hashlib.sha256("\0".join([src.read_text(), " ".join(flags), _compiler_version(cc),
-                                     _cpu_flags(), torch.__version__]).encode())
+    headers = [h.read_text() for h in sorted(SOURCE_DIR.glob("*.h"))]  # included by sources
+    key = hashlib.sha256("\0".join([src.read_text(), *headers, " ".join(flags),
+                                     _compiler_version(cc), _cpu_flags(),
+                                     torch.__version__]).encode())
     out = kernel_dir() / f"{src.stem}-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out

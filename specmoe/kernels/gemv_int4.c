@@ -73,22 +73,7 @@
 #define CHUNK_X_BYTES (16 << 10)
 #define PREFETCH_BYTES 6144 /* unchunked: how far ahead the packed stream is prefetched */
 
-#ifdef __AVX512BF16__
-#define SPECMOE_ISA 2
-static inline __attribute__((always_inline)) __m512 dot_pairs(__m512 acc, __m512i w, __m512i x) {
-    return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x);
-}
-#else
-#define SPECMOE_ISA 1
-static inline __attribute__((always_inline)) __m512 dot_pairs(__m512 acc, __m512i w, __m512i x) {
-    const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
-    __m512 w_even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-    __m512 x_even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-    __m512 w_odd = _mm512_castsi512_ps(_mm512_and_si512(w, hi));
-    __m512 x_odd = _mm512_castsi512_ps(_mm512_and_si512(x, hi));
-    return _mm512_fmadd_ps(w_odd, x_odd, _mm512_fmadd_ps(w_even, x_even, acc));
-}
-#endif
+#include "bf16_dot.h"
 
 /* 2: vdpbf16ps, 1: shift + FMA. Lets Python report which path it built. */
 int specmoe_gemv_int4_isa(void) { return SPECMOE_ISA; }
