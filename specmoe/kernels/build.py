@@ -18,8 +18,10 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -46,6 +48,19 @@ def _cpu_flags() -> str:
             return next((line for line in f if line.startswith("flags")), "")
     except OSError:
         return ""
+
+
+def cpu_reason(required_flags: tuple[str, ...]) -> str | None:
+    """Why this machine cannot run a kernel needing `required_flags` (not Linux on x86-64,
+    or /proc/cpuinfo lacks a flag), or None (also when the flags cannot be read: the
+    compiler decides then)."""
+    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
+        return f"needs Linux on x86-64, not {sys.platform}/{platform.machine()}"
+    flags = _cpu_flags().split()
+    if not flags:
+        return None
+    missing = [f for f in required_flags if f not in flags]
+    return f"CPU lacks {', '.join(missing)}" if missing else None
 
 
 def _compiler_version(cc: str) -> str:
@@ -109,6 +124,12 @@ class LazyKernel:
         self.what = what
         self.kernel = None
         self.unavailable: str | None = None
+
+    def unavailable_reason(self) -> str | None:
+        """None when the kernel is built and loaded (building it now if needed), else why
+        not."""
+        self.get()
+        return self.unavailable
 
     def get(self):
         if self.kernel is None and self.unavailable is None:

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import ctypes
 import os
-import platform
-import sys
 
 import torch
 
-from specmoe.kernels.build import KernelBuildError, LazyKernel, load
+from specmoe.kernels.build import KernelBuildError, LazyKernel, cpu_reason, load
 
 DISABLE_ENV = "SPECMOE_DISABLE_CPU_KERNELS"
 MAX_ROWS = 16  # the most input rows the kernel takes; more (prefill) go to F.linear
@@ -38,15 +36,7 @@ def is_enabled() -> bool:
 
 
 def _cpu_reason() -> str | None:
-    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
-        return f"needs Linux on x86-64, not {sys.platform}/{platform.machine()}"
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return None  # unknown: let the compiler decide
-    missing = [f for f in _REQUIRED_CPU_FLAGS if f not in flags]
-    return f"CPU lacks {', '.join(missing)}" if missing else None
+    return cpu_reason(_REQUIRED_CPU_FLAGS)
 
 
 def load_kernel(extra_flags: tuple[str, ...] = ()):
@@ -73,11 +63,9 @@ def load_kernel(extra_flags: tuple[str, ...] = ()):
 _lazy = LazyKernel(load_kernel, "CPU bf16 linear kernel unavailable, using F.linear")
 
 
-def kernel_unavailable_reason() -> str | None:
-    """None when the kernel is built and loaded (building it now if needed), else why not.
-    The first failure is logged once as a warning."""
-    _lazy.get()
-    return _lazy.unavailable
+# None when the kernel is built and loaded (building it now if needed), else why not; the
+# first failure is logged once as a warning.
+kernel_unavailable_reason = _lazy.unavailable_reason
 
 
 def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

@@ -21,7 +21,7 @@ import functools
 import torch
 
 from specmoe.kernels import gemv
-from specmoe.kernels.build import KernelBuildError, LazyKernel, load
+from specmoe.kernels.build import KernelBuildError, LazyKernel, cpu_reason, load
 
 GROUP_SIZE = 32  # inputs per quantisation group: the only size the kernel takes
 MAX_ROWS = gemv.MAX_ROWS  # the most input rows the kernel takes (16)
@@ -41,17 +41,7 @@ class _CWeights(ctypes.Structure):
 def cpu_unsupported_reason() -> str | None:
     """Why this machine cannot run the kernel (not x86-64 Linux, no AVX-512 F/BW/VL), or None;
     reads /proc/cpuinfo once, builds nothing."""
-    return gemv._cpu_reason() or _cpu_flags_reason()
-
-
-def _cpu_flags_reason() -> str | None:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return None  # unknown: let the compiler decide
-    missing = [f for f in _REQUIRED_CPU_FLAGS if f not in flags]
-    return f"CPU lacks {', '.join(missing)}" if missing else None
+    return cpu_reason(_REQUIRED_CPU_FLAGS)
 
 
 def load_kernel(extra_flags: tuple[str, ...] = ()):
@@ -79,11 +69,9 @@ def load_kernel(extra_flags: tuple[str, ...] = ()):
 _lazy = LazyKernel(load_kernel, "CPU int4 linear kernel unavailable, using torch's int4 kernel")
 
 
-def kernel_unavailable_reason() -> str | None:
-    """None when the kernel is built and loaded (building it now if needed), else why not.
-    The first failure is logged once as a warning."""
-    _lazy.get()
-    return _lazy.unavailable
+# None when the kernel is built and loaded (building it now if needed), else why not; the
+# first failure is logged once as a warning.
+kernel_unavailable_reason = _lazy.unavailable_reason
 
 
 def pack_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor
