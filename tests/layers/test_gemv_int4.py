@@ -8,7 +8,6 @@ import copy
 
 import pytest
 import torch
-import transformers
 
 from specmoe import kernels
 from specmoe.config import ModelConfig
@@ -189,17 +188,6 @@ def test_layer_uses_kernel_for_decode_and_torch_beyond(enabled):
     kernels.set_enabled(False)
     x = torch.randn(3, 896)
     assert torch.equal(layer(x), torch_path(x))
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    cfg = transformers.Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("qwen2")
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    return str(path)
 
 
 def _count_kernel_calls(monkeypatch) -> list[int]:

@@ -86,17 +86,6 @@ def test_bad_quantization_names_are_rejected():
         SpeculativeConfig("draft", draft_model="x", draft_quantization="int2")
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    cfg = transformers.Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("qwen2")
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    return str(path)
-
-
 @pytest.mark.parametrize("method,max_err", [("int8", 0.02), ("int4", 0.3)])
 def test_quantized_model_logits_stay_close(tiny_dir, method, max_err):
     ids = list(range(3, 40))
