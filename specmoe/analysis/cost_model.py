@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from specmoe.analysis.presets import Preset, preset_size
+from specmoe.analysis.presets import Preset
 from specmoe.bench.roofline import measure_read_bandwidth
 from specmoe.layers.linear import linear
 
@@ -230,8 +230,3 @@ def relative_errors(predicted: np.ndarray, measured: np.ndarray) -> np.ndarray:
     """|predicted - measured| / measured, elementwise."""
     measured = np.asarray(measured, dtype=float)
     return np.abs(np.asarray(predicted, dtype=float) - measured) / measured
-
-
-def preset_weight_bytes(preset: Preset, dtype_bytes: int = 2) -> int:
-    """Bytes of the preset's weights (embedding table excluded)."""
-    return preset_size(preset, dtype_bytes).weight_bytes
