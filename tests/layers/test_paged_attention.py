@@ -79,11 +79,13 @@ def test_decode_path_matches_reference_and_per_sequence(num_heads, num_kv_heads,
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 16), (12, 2, 128),
-                                                             (16, 1, 64), (32, 8, 128)])
+                                                             (16, 1, 64), (32, 8, 128),
+                                                             (9, 3, 64), (14, 2, 64)])
 @pytest.mark.parametrize("window", [None, 7])
 def test_native_decode_kernel_matches_torch_path(num_heads, num_kv_heads, head_dim, window):
-    """bf16: the native kernel (chunks of 16 keys, several lane groups when G * rows > 16)
-    against the torch path and per-sequence fp32 attention, sliding window included."""
+    """bf16: the native kernel (chunks of 16 keys; queries across the lanes, in several lane
+    groups when G * rows > 16, or keys across the lanes when G * rows <= 8 and head_dim % 32
+    == 0: the shapes here take both) against the torch path and per-sequence fp32 attention, sliding window included."""
     if not decode_kernel_available():
         pytest.skip("native decode attention kernel unavailable on this machine")
     shapes = SHAPES + [(130, 8), (31, 16), (15, 1)]
