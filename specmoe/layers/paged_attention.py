@@ -7,12 +7,16 @@ table. A batched forward concatenates the new tokens of every sequence ([num_tok
 sequence i computes positions [start_pos_i, start_pos_i + num_tokens_i) and attends over
 [0, start_pos_i + num_tokens_i) of its own blocks (causal, optionally a sliding window).
 
-Two kinds of sequence, split once per forward by `AttentionMetadata.build`:
+On CPU in bfloat16 the native kernel (`specmoe.kernels.attention`) attends every
+sequence of the forward, decode, verification and prefill rows alike, reading keys and
+values once through the block tables. Elsewhere (another device or dtype, kernels switched
+off) the plain-torch path splits the sequences, built the first time a layer needs it:
 - few query tokens (decode, verification of K drafts: at most `MAX_DECODE_QUERY` tokens):
   gathered into padded batches [num_seqs, max_query, ...] of similar context length (so
   padding at most doubles the keys/values read), attended by float32 matmuls with the query
   heads of each key/value head stacked (`attend_decode_reference` is the SDPA form);
 - many query tokens (a prefill chunk): one fused SDPA call per sequence.
+The plain-torch path is the kernel's reference in the tests.
 
 The same code serves one sequence alone, so batch size 1 is not a separate path. Source: the
 paged KV cache of Kwon et al., 2023, "Efficient Memory Management for Large Language Model
@@ -26,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specmoe.kernels.decode_attention import try_decode_attention_bf16
+from specmoe.kernels.attention import try_attention_bf16
 
 # Sequences with at most this many query tokens are attended in the padded decode batch.
 MAX_DECODE_QUERY = 16
@@ -71,9 +75,9 @@ class DecodeGroup:
 
 
 @dataclass(slots=True)
-class DecodeSequences:
-    """All few-query sequences of a forward, as the native decode kernel reads them
-    (`specmoe.kernels.decode_attention`): int64 CPU tensors, contiguous.
+class KernelSequences:
+    """The sequences of a forward as the native attention kernel reads them
+    (`specmoe.kernels.attention`): int64 CPU tensors, contiguous.
 
     Attributes:
         row_start: [S] first row of each sequence in the flattened batch.
@@ -115,18 +119,18 @@ class AttentionMetadata:
     Attributes:
         num_tokens: rows of the flattened batch.
         slot_mapping: [num_tokens] int64 cache slot each new token's key/value is written to.
-        decodes: padded batches of few-query sequences of similar context length.
-        prefills: the many-query sequences.
-        decode_seqs: the few-query sequences for the native kernel (None: there are none).
+        sequences: every sequence, for the native kernel.
         sliding_window: attention window in tokens, or None.
     """
 
     num_tokens: int
     slot_mapping: torch.Tensor
-    decodes: list[DecodeGroup]
-    prefills: list[PrefillSequence]
-    decode_seqs: DecodeSequences | None = None
-    sliding_window: int | None = None
+    sequences: KernelSequences
+    sliding_window: int | None
+    _slices: list[SequenceSlice]
+    _block_size: int
+    _device: torch.device | str
+    _torch_path: tuple[list[DecodeGroup], list[PrefillSequence]] | None = None
 
     @classmethod
     def build(cls, seqs: list[SequenceSlice], block_size: int, device: torch.device | str,
@@ -151,20 +155,34 @@ class AttentionMetadata:
         tables = _block_tables(seqs)  # [B, max_blocks]
         slot_mapping = _slot_mapping(starts, counts, tables, block_size)
         token_starts = torch.cumsum(counts, 0) - counts  # [B]
-        small = [i for i, s in enumerate(seqs) if s.num_tokens <= MAX_DECODE_QUERY]
-        large = [i for i, s in enumerate(seqs) if s.num_tokens > MAX_DECODE_QUERY]
-        decodes = [_decode_group(torch.tensor(group), starts, counts, token_starts, tables,
-                                 block_size, sliding_window, device)
-                   for group in _length_groups(small, seqs)]
-        prefills = [_prefill_sequence(seqs[i], int(token_starts[i]), tables[i], block_size,
-                                      sliding_window, device) for i in large]
-        decode_seqs = None
-        if small:
-            index = torch.tensor(small)
-            decode_seqs = DecodeSequences(token_starts[index], counts[index], starts[index],
-                                          tables[index].contiguous(), block_size)
-        return cls(int(counts.sum()), slot_mapping.to(device), decodes, prefills, decode_seqs,
-                   sliding_window)
+        sequences = KernelSequences(token_starts, counts, starts, tables, block_size)
+        return cls(int(counts.sum()), slot_mapping.to(device), sequences, sliding_window,
+                   seqs, block_size, device)
+
+    @property
+    def decodes(self) -> list[DecodeGroup]:
+        """The plain-torch path's padded batches of few-query sequences."""
+        return self._torch_groups()[0]
+
+    @property
+    def prefills(self) -> list[PrefillSequence]:
+        """The plain-torch path's many-query sequences."""
+        return self._torch_groups()[1]
+
+    def _torch_groups(self) -> tuple[list[DecodeGroup], list[PrefillSequence]]:
+        if self._torch_path is None:
+            seqs, block_size, device = self._slices, self._block_size, self._device
+            k = self.sequences
+            small = [i for i, s in enumerate(seqs) if s.num_tokens <= MAX_DECODE_QUERY]
+            large = [i for i, s in enumerate(seqs) if s.num_tokens > MAX_DECODE_QUERY]
+            decodes = [_decode_group(torch.tensor(group), k.start_pos, k.num_rows, k.row_start,
+                                     k.block_tables, block_size, self.sliding_window, device)
+                       for group in _length_groups(small, seqs)]
+            prefills = [_prefill_sequence(seqs[i], int(k.row_start[i]), k.block_tables[i],
+                                          block_size, self.sliding_window, device)
+                        for i in large]
+            self._torch_path = (decodes, prefills)
+        return self._torch_path
 
 
 def _length_groups(indices: list[int], seqs: list[SequenceSlice]) -> list[list[int]]:
@@ -267,10 +285,10 @@ def paged_attention(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]
     """
     num_tokens, num_heads, head_dim = q.shape
     out = q.new_empty(num_tokens, num_heads * head_dim)
-    if meta.decodes and not try_decode_attention_bf16(q, kv_cache, meta.decode_seqs, scale,
-                                                      meta.sliding_window, out):
-        for group in meta.decodes:
-            out[group.token_index] = _attend_decode(q, kv_cache, group, scale)
+    if try_attention_bf16(q, kv_cache, meta.sequences, scale, meta.sliding_window, out):
+        return out
+    for group in meta.decodes:
+        out[group.token_index] = _attend_decode(q, kv_cache, group, scale)
     for seq in meta.prefills:
         rows = slice(seq.token_start, seq.token_start + seq.num_tokens)
         out[rows] = _attend_prefill(q[rows], kv_cache, seq, scale)

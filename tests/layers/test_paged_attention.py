@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from specmoe.kernels import gemv
-from specmoe.kernels.decode_attention import available as decode_kernel_available
+from specmoe.kernels.attention import available as attention_kernel_available
 from specmoe.layers.paged_attention import (AttentionMetadata, SequenceSlice,
                                             attend_decode_reference, paged_attention)
 
@@ -86,8 +86,8 @@ def test_native_decode_kernel_matches_torch_path(num_heads, num_kv_heads, head_d
     """bf16: the native kernel (chunks of 16 keys; queries across the lanes, in several lane
     groups when G * rows > 16, or keys across the lanes when G * rows <= 8 and head_dim % 32
     == 0: the shapes here take both) against the torch path and per-sequence fp32 attention, sliding window included."""
-    if not decode_kernel_available():
-        pytest.skip("native decode attention kernel unavailable on this machine")
+    if not attention_kernel_available():
+        pytest.skip("native attention kernel unavailable on this machine")
     shapes = SHAPES + [(130, 8), (31, 16), (15, 1)]
     seqs, q, cache, hist = _setup(num_heads, num_kv_heads, torch.bfloat16, 3, head_dim, shapes)
     scale = head_dim ** -0.5
@@ -105,13 +105,28 @@ def test_native_decode_kernel_matches_torch_path(num_heads, num_kv_heads, head_d
     assert (out == torch_path).float().mean() > 0.9
 
 
-def test_native_decode_kernel_leaves_prefill_rows_to_sdpa():
-    if not decode_kernel_available():
-        pytest.skip("native decode attention kernel unavailable on this machine")
-    shapes = [(0, 40), (12, 3), (0, 1)]
-    seqs, q, cache, hist = _setup(8, 2, torch.bfloat16, 4, 64, shapes)
-    meta = AttentionMetadata.build(seqs, BLOCK_SIZE, "cpu")
-    assert len(meta.prefills) == 1 and meta.decode_seqs.num_rows.tolist() == [3, 1]
-    out = paged_attention(q, cache, meta, 0.125)
-    torch.testing.assert_close(out.float(), _per_sequence(seqs, q, hist, 0.125),
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (12, 2, 128),
+                                                             (4, 4, 16)])
+@pytest.mark.parametrize("window", [None, 40])
+def test_native_kernel_attends_prefill_and_decode_rows_in_one_call(num_heads, num_kv_heads,
+                                                                   head_dim, window):
+    """A forward mixing a fresh prefill, a chunked prefill continuing a cached prefix,
+    verification rows and a decode row: the kernel writes every row, and they agree with
+    the torch path (fused SDPA for the prefills) and with per-sequence fp32 attention."""
+    if not attention_kernel_available():
+        pytest.skip("native attention kernel unavailable on this machine")
+    shapes = [(0, 70), (12, 3), (0, 1), (33, 50), (90, 1)]
+    seqs, q, cache, hist = _setup(num_heads, num_kv_heads, torch.bfloat16, 4, head_dim, shapes)
+    scale = head_dim ** -0.5
+    meta = AttentionMetadata.build(seqs, BLOCK_SIZE, "cpu", sliding_window=window)
+    out = paged_attention(q, cache, meta, scale)
+    assert meta._torch_path is None  # the kernel served every row; no torch groups built
+    gemv.set_enabled(False)
+    try:
+        torch_path = paged_attention(q, cache, meta, scale)
+    finally:
+        gemv.set_enabled(True)
+    assert len(meta.prefills) == 2 and len(meta.decodes) >= 1
+    torch.testing.assert_close(out.float(), torch_path.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), _per_sequence(seqs, q, hist, scale, window),
                                atol=2e-2, rtol=2e-2)

@@ -1,9 +1,10 @@
-/* Paged attention of decode / verification rows (1..16 query tokens per sequence) over a
- * bf16 KV cache read through block tables, fp32 softmax and accumulation, bf16 output.
+/* Causal paged attention of a forward's query rows (decode, verification of K drafts and
+ * prefill chunks alike) over a bf16 KV cache read through block tables, fp32 softmax and
+ * accumulation, bf16 output.
  *
- * One work unit is (sequence, key/value head): the G query heads sharing that KV head times
- * the sequence's R query rows form G*R query vectors (vector i: row i / G, head i % G), taken
- * in blocks of up to 16. Keys are read from the cache through the block table in chunks of 16
+ * The G query heads sharing a KV head times a sequence's R query rows form G*R query vectors
+ * (vector i: row i / G, head i % G); one work unit is (sequence, KV head, block of up to 16
+ * of those vectors). Keys are read from the cache through the block table in chunks of 16
  * laid across the 16 fp32 lanes of AVX-512 registers. Each score is a bf16 pair dot product
  * along head_dim (`vdpbf16ps`, or shifts and FMAs without AVX512-BF16: bf16_dot.h), and the
  * 16 keys' partial sums are reduced into one vector of 16 scores by a transposing add tree.
@@ -13,9 +14,9 @@
  * lanes, the accumulator in registers. Row r of a sequence whose first query sits at position
  * P attends keys P + r - window < p <= P + r (window 0: no lower bound).
  *
- * The plain-torch reference is `_attend_decode` / `attend_decode_reference` in
- * specmoe/layers/paged_attention.py. Built by specmoe/kernels/build.py
- * (gcc -O3 -march=native -fopenmp).
+ * The plain-torch reference is the torch path of specmoe/layers/paged_attention.py
+ * (`_attend_decode`, `attend_decode_reference`, `_attend_prefill`). Built by
+ * specmoe/kernels/build.py (gcc -O3 -march=native -fopenmp).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -26,12 +27,12 @@
 #include "bf16_dot.h"
 
 #if !defined(__AVX512F__)
-#error "specmoe decode_attention_bf16 needs AVX-512F"
+#error "specmoe attention_bf16 needs AVX-512F"
 #endif
 
 #define CHUNK 16          /* keys per online-softmax step */
 #define MAX_HEAD_DIM 256
-#define MAX_ROWS 512      /* query rows per sequence */
+#define MAX_ROWS 65536    /* query rows per sequence */
 #define VECTOR_BLOCK 16   /* query vectors attended per pass over a unit's keys */
 #define NEG_BIG -1e30f    /* running-max start: finite, so exp(m_old - m_new) is never NaN */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -229,8 +230,8 @@ static void run_unit(Query *qs, float *vf, const uint16_t *q, const uint16_t *k_
  * [num_slots, num_kv_heads, head_dim]. Work units are (sequence, KV head, block of up to 16
  * query vectors), shared among num_threads OpenMP threads. Returns 0, or -1 (nothing
  * written) for a shape it does not take: head_dim not a multiple of 16 or above 256, more
- * than 512 rows in a sequence, or a position past 2^31. */
-int specmoe_decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache,
+ * than 65536 rows in a sequence, or a position past 2^31. */
+int specmoe_attention_bf16(const uint16_t *q, const uint16_t *k_cache,
                                   const uint16_t *v_cache, uint16_t *out,
                                   const int64_t *row_start, const int64_t *num_rows,
                                   const int64_t *start_pos, const int64_t *block_tables,
