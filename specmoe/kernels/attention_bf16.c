@@ -80,25 +80,6 @@ typedef struct {
     float scale;
 } Shape;
 
-/* Lane j of the result: the sum of the 16 lanes of a[j] (a transposing add tree: 45
- * shuffles and adds for 16 horizontal sums). */
-static inline __m512 transpose_sum16(const __m512 *a) {
-    __m512 t[8], u[4], w[2];
-    for (int i = 0; i < 8; i++)  /* 128-bit lane: a[2i] x, a[2i+1] x, a[2i] y, a[2i+1] y */
-        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {  /* 128-bit lane: a[4i] .. a[4i+3], one partial each */
-        __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
-        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    for (int i = 0; i < 2; i++)  /* 128-bit lanes: a[8i..8i+3] twice, a[8i+4..8i+7] twice */
-        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88),
-                         _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
-}
-
 /* State of one query vector. */
 typedef struct {
     __m512i q[MAX_HEAD_DIM / 32];   /* the query's bf16 pairs, unscaled */
