@@ -185,6 +185,17 @@ ALWAYS_INLINE void unit_impl(Query *qs, float *vf, const uint16_t *q, const uint
             const uint16_t *vrow = v_cache + (slot * s->num_kv_heads + kvh) * hd;
             for (int64_t d = 0; d < hd; d += 16) _mm512_storeu_ps(vf + j * hd + d, load_bf16x16(vrow + d));
         }
+        /* the next chunk's rows are scattered over the cache (one head of each slot, slots
+         * in table order): fetch them while this chunk computes */
+        for (int64_t p = p0 + CHUNK; p < p0 + 2 * CHUNK && p < end; p++) {
+            const int64_t slot = table[p / s->block_size] * s->block_size + p % s->block_size;
+            const char *kn = (const char *)(k_cache + (slot * s->num_kv_heads + kvh) * hd);
+            const char *vn = (const char *)(v_cache + (slot * s->num_kv_heads + kvh) * hd);
+            for (int64_t b = 0; b < hd * 2; b += 64) {
+                _mm_prefetch(kn + b, _MM_HINT_T0);
+                _mm_prefetch(vn + b, _MM_HINT_T0);
+            }
+        }
         for (int64_t i = 0; i < nv; i++) _mm512_store_ps(e[i], chunk_scores(&qs[i], kp, n, p0, hd, s->scale));
         for (int64_t i = 0; i < nv; i++) chunk_values(qs[i].acc, e[i], vf, n, hd);
     }
