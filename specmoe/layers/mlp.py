@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specmoe.kernels.elementwise import try_silu_and_mul_bf16
 from specmoe.layers.linear import Linear
 
 
@@ -24,5 +25,14 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] (gate | up) -> [..., I] silu(gate) * up; bf16 on CPU takes the native
+    kernel (`specmoe.kernels.elementwise`), this torch code is its reference."""
+    out = try_silu_and_mul_bf16(gate_up)
+    if out is not None:
+        return out
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

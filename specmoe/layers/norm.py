@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specmoe.kernels.elementwise import try_rms_norm_bf16
+
 
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32, cast back to x's dtype
@@ -21,7 +23,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., hidden_size] -> same shape and dtype."""
+        """x: [..., hidden_size] -> same shape and dtype. bf16 on CPU takes the native
+        kernel (`specmoe.kernels.elementwise`); this code is its reference."""
+        y = try_rms_norm_bf16(x, self.weight, self.eps)
+        if y is not None:
+            return y
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -8,6 +8,8 @@ import math
 import torch
 from torch import nn
 
+from specmoe.kernels.elementwise import try_rotary_bf16
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -64,7 +66,10 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] int64; q [T, num_heads, head_dim]; k [T, num_kv_heads, head_dim].
-        Returns rotated (q, k) in their input dtype."""
+        Returns rotated (q, k) in their input dtype. bf16 on CPU is rotated in place by the
+        native kernel (`specmoe.kernels.elementwise`); this code is its reference."""
+        if try_rotary_bf16(positions, q, k, self.cos, self.sin):
+            return q, k
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, head_dim // 2]
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

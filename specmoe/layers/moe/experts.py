@@ -4,10 +4,10 @@ once per forward, and the plain per-token reference it is tested against."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specmoe.layers.linear import linear
+from specmoe.layers.mlp import silu_and_mul
 
 
 class RoutedExperts(nn.Module):
@@ -30,8 +30,7 @@ class RoutedExperts(nn.Module):
 
     def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on x [n, H] -> [n, H] (`linear`: the decode kernel for a few rows)."""
-        gate, up = linear(x, self.w13[e]).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.w2[e])
+        return linear(silu_and_mul(linear(x, self.w13[e])), self.w2[e])
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
                 ) -> torch.Tensor:
