@@ -72,6 +72,7 @@ def _run(engine, prompt: BenchPrompt, k: int, temperature: float, cfg: SpecBench
          proposer: str) -> dict:
     sp = SamplingParams(temperature=temperature, max_tokens=cfg.max_tokens, ignore_eos=True,
                         seed=cfg.seed, num_speculative_tokens=k)
+    engine.reset_prefix_cache()  # every run computes its prompt in full, as the first did
     t = time.perf_counter()
     out = engine.generate([prompt.token_ids], sp)[0]
     seconds = time.perf_counter() - t

@@ -184,9 +184,8 @@ def run_once(llm, prompts: list[dict], concurrency: int, max_tokens: int,
     from specmoe.engine.stats import EngineStats
     core = llm.engine
     core.stats = EngineStats()
-    kv = core.scheduler.kv_cache
-    kv.reset_prefix_cache()
-    prefix = kv.block_pool.prefix_cache_stats
+    llm.reset_prefix_cache()
+    prefix = core.scheduler.kv_cache.block_pool.prefix_cache_stats
     queried, hit = prefix.num_query_tokens, prefix.num_hit_tokens
     steps: list[list] = []
     core.step = _timed_step(core, steps)  # instance attribute shadows the method

@@ -132,6 +132,14 @@ class LLM:
         """
         self.engine.add_request(req, self._generator_for(req.params))
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prompt prefix (as vLLM's `LLM.reset_prefix_cache`), so the next
+        requests compute their prompts in full. Benchmarks call it so every run starts alike:
+        a prefix hit skips prefill time, and in bf16 it also changes which matmul computes
+        the prompt's last tokens, so greedy outputs may differ in the last bits from a miss.
+        Returns the number of cache entries dropped."""
+        return self.engine.scheduler.kv_cache.reset_prefix_cache()
+
     def step(self) -> list[RequestOutput]:
         """Run one engine step over every queued request; returns those that finished."""
         return [_to_output(req) for req in self.engine.step()]

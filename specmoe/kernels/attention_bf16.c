@@ -12,7 +12,9 @@
  * arXiv 1805.02867; the chunked form of FlashAttention, Dao et al. 2022, arXiv 2205.14135)
  * then runs once per chunk on that vector, and P V adds e_p * v_p with head_dim across the
  * lanes, the accumulator in registers. Row r of a sequence whose first query sits at position
- * P attends keys P + r - window < p <= P + r (window 0: no lower bound).
+ * P attends keys P + r - window < p <= P + r (window 0: no lower bound). Chunks start at
+ * multiples of 16 and masked keys add exact zeros, so a row's result has the same bits
+ * whatever other rows and sequences share the call (batch invariance, as in gemv_bf16.c).
  *
  * The plain-torch reference is the torch path of specmoe/layers/paged_attention.py
  * (`_attend_decode`, `attend_decode_reference`, `_attend_prefill`). Built by
@@ -172,7 +174,10 @@ ALWAYS_INLINE void unit_impl(Query *qs, float *vf, const uint16_t *q, const uint
     const int64_t G = s->num_heads / s->num_kv_heads;
     const int64_t end = start_pos + (v0 + nv - 1) / G + 1;  /* past the block's last row */
     const int64_t pos0 = start_pos + v0 / G;                /* the block's first row */
-    const int64_t begin = s->window > 0 && pos0 - s->window + 1 > 0 ? pos0 - s->window + 1 : 0;
+    /* chunks start at multiples of CHUNK (the window is masked per lane), so a row's sums
+     * run in the same order whatever rows share its block: batch invariance */
+    const int64_t first = s->window > 0 && pos0 - s->window + 1 > 0 ? pos0 - s->window + 1 : 0;
+    const int64_t begin = first / CHUNK * CHUNK;
     float e[VECTOR_BLOCK][CHUNK] __attribute__((aligned(64)));
     load_queries(qs, q, s, row0, v0, nv, start_pos, kvh, hd);
     for (int64_t p0 = begin; p0 < end; p0 += CHUNK) {

@@ -4,10 +4,17 @@
  * memory once for all T input rows: a tile of R weight rows is multiplied with groups of
  * up to 8 input rows while it sits in L1/L2; with at most 4 rows whose x fits in L1,
  * weight rows are read one after another instead (one stream, best for the prefetcher).
- * Each (row, token) pair keeps a 16-lane fp32 accumulator over the pairs
+ * Each (row, token) pair keeps one 16-lane fp32 accumulator over the pairs
  * (w[2i], w[2i+1]) . (x[2i], x[2i+1]) of a 32-element step (`vdpbf16ps` with AVX512-BF16,
- * else the same pairs widened to fp32 by shifts + FMA); the K tail is read with masked
- * loads. Each OpenMP thread takes one contiguous range of output rows.
+ * else the same pairs widened to fp32 by shifts + FMA), steps in ascending k, the K tail
+ * read last with masked loads, then one horizontal sum. Each OpenMP thread takes one
+ * contiguous range of output rows.
+ *
+ * Batch invariance: that summation order is the same in both code paths, for every T, every
+ * position of a row in x and any thread count, so a token's outputs have the same bits
+ * decoded alone (T = 1) as in a (K + 1)-row speculative verification. Greedy speculative
+ * decoding in bf16 needs this to be lossless (the attention kernel is invariant in the same
+ * way); the tests check it bit for bit.
  *
  * Measured on 2 Zen 5 cores: 1-3 rows read at ~90-100% of a plain streaming read, 5-9 rows
  * at ~65-85%; past ~9 rows the multiplies (`vdpbf16ps` throughput), not memory, set the
@@ -105,44 +112,36 @@ static inline __attribute__((always_inline)) void tile(
 }
 
 /* Weight rows one after another, each with all G input rows, so a thread's range is one
- * forward stream for the hardware prefetcher (best while x is small enough for L1); U
- * accumulators per input row over interleaved 32-element steps hide the FMA latency. */
+ * forward stream for the hardware prefetcher (best while x is small enough for L1). One
+ * accumulator per input row, as `tile` (batch invariance): the dependent vdpbf16ps chain
+ * still outpaces memory at 1-4 rows. */
 static inline __attribute__((always_inline)) void rows_seq(
-    const int G, const int U, const uint16_t *x, const uint16_t *w, const uint16_t *bias,
-    uint16_t *y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+    const int G, const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+    int64_t K, int64_t N, int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n++) {
         const uint16_t *wr = w + n * K;
-        __m512 acc[4][MAX_SEQ_ROWS];
+        __m512 acc[MAX_SEQ_ROWS];
 #pragma GCC unroll 4
-        for (int u = 0; u < U; u++)
-#pragma GCC unroll 4
-            for (int t = 0; t < G; t++) acc[u][t] = _mm512_setzero_ps();
+        for (int t = 0; t < G; t++) acc[t] = _mm512_setzero_ps();
         int64_t k = 0;
-        for (; k + 32 * U <= K; k += 32 * U)
+        for (; k + 32 <= K; k += 32) {
+            if (G > 1) /* from 2 rows on, the hardware prefetcher alone falls behind */
+                _mm_prefetch((const char *)(wr + k) + SEQ_PREFETCH_BYTES, _MM_HINT_T0);
+            const __m512i wv = _mm512_loadu_si512(wr + k);
 #pragma GCC unroll 4
-            for (int u = 0; u < U; u++) {
-                if (G > 1) /* from 2 rows on, the hardware prefetcher alone falls behind */
-                    _mm_prefetch((const char *)(wr + k + 32 * u) + SEQ_PREFETCH_BYTES, _MM_HINT_T0);
-                const __m512i wv = _mm512_loadu_si512(wr + k + 32 * u);
-#pragma GCC unroll 4
-                for (int t = 0; t < G; t++)
-                    acc[u][t] = dot_pairs(acc[u][t], wv, _mm512_loadu_si512(x + t * K + k + 32 * u));
-            }
-        for (; k < K; k += 32) { /* last steps; masked loads read zeros past K */
-            const __mmask32 m = K - k >= 32 ? ~(__mmask32)0 : (__mmask32)((1ull << (K - k)) - 1);
+            for (int t = 0; t < G; t++)
+                acc[t] = dot_pairs(acc[t], wv, _mm512_loadu_si512(x + t * K + k));
+        }
+        if (k < K) { /* tail: masked loads read zeros past K */
+            const __mmask32 m = (__mmask32)((1ull << (K - k)) - 1);
             const __m512i wv = _mm512_maskz_loadu_epi16(m, wr + k);
 #pragma GCC unroll 4
             for (int t = 0; t < G; t++)
-                acc[0][t] = dot_pairs(acc[0][t], wv, _mm512_maskz_loadu_epi16(m, x + t * K + k));
+                acc[t] = dot_pairs(acc[t], wv, _mm512_maskz_loadu_epi16(m, x + t * K + k));
         }
         const float b = bias ? bf16_to_f32(bias[n]) : 0.0f;
 #pragma GCC unroll 4
-        for (int t = 0; t < G; t++) {
-            __m512 sum = acc[0][t];
-#pragma GCC unroll 4
-            for (int u = 1; u < U; u++) sum = _mm512_add_ps(sum, acc[u][t]);
-            y[t * N + n] = f32_to_bf16(_mm512_reduce_add_ps(sum) + b);
-        }
+        for (int t = 0; t < G; t++) y[t * N + n] = f32_to_bf16(_mm512_reduce_add_ps(acc[t]) + b);
     }
 }
 
@@ -164,10 +163,10 @@ static void rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uin
                  int64_t T, int64_t K, int64_t N, int64_t n0, int64_t n1) {
     if (T == 1 || (T <= MAX_SEQ_ROWS && T * K * 2 <= MAX_SEQ_X_BYTES)) {
         switch (T) {
-            case 1: rows_seq(1, 4, x, w, bias, y, K, N, n0, n1); return;
-            case 2: rows_seq(2, 2, x, w, bias, y, K, N, n0, n1); return;
-            case 3: rows_seq(3, 2, x, w, bias, y, K, N, n0, n1); return;
-            case 4: rows_seq(4, 2, x, w, bias, y, K, N, n0, n1); return;
+            case 1: rows_seq(1, x, w, bias, y, K, N, n0, n1); return;
+            case 2: rows_seq(2, x, w, bias, y, K, N, n0, n1); return;
+            case 3: rows_seq(3, x, w, bias, y, K, N, n0, n1); return;
+            case 4: rows_seq(4, x, w, bias, y, K, N, n0, n1); return;
         }
     }
     const int64_t num_groups = (T + MAX_GROUP - 1) / MAX_GROUP;

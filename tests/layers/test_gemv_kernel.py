@@ -83,6 +83,25 @@ def test_leading_dims_and_thread_counts(enabled):
         torch.set_num_threads(was)
 
 
+@pytest.mark.parametrize("k,n", [(1536, 2048), (8960, 96), (1001, 301), (100, 37)])
+def test_rows_are_batch_invariant_bit_for_bit(enabled, k, n):
+    """Row i of a T-row call has the bits of the same row alone, for every T <= 16 (both code
+    paths: one weight stream at 1-4 rows, tiles beyond), any position and thread count:
+    what keeps bf16 greedy speculative decoding equal to plain decoding."""
+    x, w, b = _inputs(16, k, n, bias=True, seed=k)
+    was = torch.get_num_threads()
+    try:
+        alone = torch.cat([kernels.try_linear_bf16(x[i:i + 1], w, b) for i in range(16)])
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for t in range(1, 17):
+                for start in {0, 16 - t}:
+                    y = kernels.try_linear_bf16(x[start:start + t].contiguous(), w, b)
+                    assert torch.equal(y, alone[start:start + t]), (t, start, threads)
+    finally:
+        torch.set_num_threads(was)
+
+
 def test_fallback_for_unsupported_inputs(enabled):
     x, w, b = _inputs(4, 64, 16, bias=True)
     big, _, _ = _inputs(kernels.MAX_ROWS + 1, 64, 16, bias=False)
