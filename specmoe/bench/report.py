@@ -20,7 +20,8 @@ def markdown(results: dict) -> str:
     cfg, rf = results["config"], results["roofline"]
     lines = [f"# Speculative decoding: {cfg['target']} with draft {cfg['draft']} "
              f"({cfg['draft_quantization'] or cfg['dtype']}) and n-gram",
-             "", f"{cfg['dtype']}, {cfg['max_tokens']} tokens per prompt (EOS ignored), "
+             "", f"target {cfg.get('quantization') or cfg['dtype']} (activations "
+             f"{cfg['dtype']}), {cfg['max_tokens']} tokens per prompt (EOS ignored), "
              f"{cfg['num_prompts']} prompts per data set (Spec-Bench: per category); "
              f"total {results['total_seconds'] / 60:.1f} min.", "",
              "## Best K per data set (greedy)", "", *best_table(results["rows"]), "",
@@ -32,7 +33,7 @@ def markdown(results: dict) -> str:
              f"{100 * rf['fraction_of_roofline']:.0f}% of it.", ""]
     if "peers" in results:
         lines += ["## Peers (same model files, same prompts, greedy)", "",
-                  *peer_table(results["peers"]), ""]
+                  *peer_table(results["peers"], cfg.get("quantization")), ""]
     lines += ["## Every configuration", "", *full_table(results["rows"])]
     return "\n".join(lines) + "\n"
 
@@ -61,7 +62,7 @@ def full_table(rows: list[dict]) -> list[str]:
     return out
 
 
-def peer_table(peers: dict) -> list[str]:
+def peer_table(peers: dict, quantization: str | None = None) -> list[str]:
     out = [f"Prompts: {peers['group']}; tokens/s per prompt (median).", "",
            "| mode | tok/s |", "|---|---|"]
     import statistics
@@ -70,8 +71,10 @@ def peer_table(peers: dict) -> list[str]:
     out += ["", "| ratio (median of per-prompt ratios) | value |", "|---|---|"]
     out += [f"| {name} | {v:.2f}x |" for name, v in peers["ratios"].items()]
     if any(m.startswith("llama-cpp") for m in peers["tokens_per_s"]):
+        ours = (f"re-quantised to our own {quantization} (through bf16), " if quantization
+                else "dequantised, ")
         out += ["", "llama-cpp runs the GGUF file's quantised tensors (Q4_K and others); we "
-                "and transformers run them dequantised, so greedy outputs may differ."]
+                f"run them {ours}transformers dequantised, so greedy outputs may differ."]
     comparisons = peers.get("greedy_comparison", {})
     if comparisons:
         out += ["", "| greedy output | prompts that differ | first differing token |",

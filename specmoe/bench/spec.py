@@ -30,6 +30,7 @@ class SpecBenchConfig:
     target: str = "qwen2.5-coder-1.5b"
     draft: str = "qwen2.5-coder-0.5b"
     dtype: str = "bfloat16"
+    quantization: str | None = None  # the target's weights: None (dtype), "int8" or "int4"
     draft_quantization: str | None = "int4"
     datasets: list[str] = field(default_factory=lambda: ["humaneval", "mt_bench", "gsm8k",
                                                          "spec_bench"])
@@ -158,7 +159,7 @@ def roofline(engine, runs: list[dict]) -> dict:
 def build_engines(cfg: SpecBenchConfig) -> dict:
     """The plain engine and one per proposer, all sharing one loaded target."""
     from specmoe import LLM
-    plain = LLM(cfg.target, dtype=cfg.dtype)
+    plain = LLM(cfg.target, dtype=cfg.dtype, quantization=cfg.quantization)
     engines = {"plain": plain}
     k = max(cfg.ks)
     if "draft" in cfg.proposers:

@@ -162,6 +162,8 @@ def add_bench_parser(sub) -> None:
     spec.add_argument("--target", default=d.target)
     spec.add_argument("--draft", default=d.draft)
     spec.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
+    spec.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                      help="the target's weights in int8/int4 (default: --dtype)")
     spec.add_argument("--draft-quantization", default=d.draft_quantization,
                       choices=["int8", "int4", "none"])
     spec.add_argument("--datasets", default=",".join(d.datasets))
@@ -299,7 +301,7 @@ def cmd_bench_spec(args) -> None:
     from specmoe.bench.spec import SpecBenchConfig, run_spec_bench
     split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
     cfg = SpecBenchConfig(
-        target=args.target, draft=args.draft, dtype=args.dtype,
+        target=args.target, draft=args.draft, dtype=args.dtype, quantization=args.quantization,
         draft_quantization=None if args.draft_quantization == "none" else
         args.draft_quantization, datasets=split(args.datasets), num_prompts=args.num_prompts,
         spec_bench_categories=split(args.spec_bench_categories),
