@@ -30,7 +30,7 @@ def markdown(results: dict) -> str:
              f"{rf['weight_bytes_per_token'] / 1e9:.2f} GB -> ceiling "
              f"{rf['roofline_tokens_per_s']:.2f} tok/s; plain decode "
              f"{rf['plain_decode_tokens_per_s']:.2f} tok/s = "
-             f"{100 * rf['fraction_of_roofline']:.0f}% of it.", ""]
+             f"{100 * rf['fraction_of_roofline']:.0f}% of it.", *_roofline_range(rf), ""]
     if "peers" in results:
         lines += ["## Peers (same model files, same prompts, greedy)", "",
                   *peer_table(results["peers"], cfg.get("quantization")), ""]
@@ -60,6 +60,18 @@ def full_table(rows: list[dict]) -> list[str]:
                    f"{r['mean_acceptance_length']:.2f} | {r['acceptance_rate']:.2f} | {pos} | "
                    f"{mism} |")
     return out
+
+
+def _roofline_range(rf: dict) -> list[str]:
+    """The per-run spread, when the results have it (runs before it had one probe)."""
+    if "fraction_of_roofline_range" not in rf:
+        return []
+    (f_lo, f_hi), (b_lo, b_hi) = (rf["fraction_of_roofline_range"],
+                                  rf["read_bandwidth_range_gb_s"])
+    return ["", f"The bandwidth is probed before each plain run ({b_lo:.1f}-{b_hi:.1f} GB/s; "
+            "the median above) and each run is set against its own probe: "
+            f"{100 * f_lo:.0f}-{100 * f_hi:.0f}% of the roofline, median "
+            f"{100 * rf['fraction_of_roofline']:.0f}%."]
 
 
 def peer_table(peers: dict, quantization: str | None = None) -> list[str]:

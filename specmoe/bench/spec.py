@@ -11,6 +11,7 @@ gives the roofline of plain decoding.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -21,6 +22,7 @@ from specmoe.sampling_params import SamplingParams
 from specmoe.utils.data import load_prompts
 
 SPEC_BENCH_CATEGORIES = ["summarization", "rag", "translation", "qa", "math_reasoning"]
+PROBE_BYTES = 1 << 30  # the bandwidth probe's buffer: 32x the last-level cache here
 
 
 @dataclass
@@ -95,8 +97,12 @@ def run_sweep(cfg: SpecBenchConfig, engines: dict, prompts: list[BenchPrompt]) -
         task = progress.add_task("bench spec", total=total)
         for i, prompt in enumerate(prompts):
             for temp in cfg.temperatures:
+                # the machine's bandwidth drifts by tens of percent within minutes: probe it
+                # beside every plain run, so the roofline compares like with like
+                bandwidth = measure_read_bandwidth(PROBE_BYTES, repeats=3,
+                                                   device=engines["plain"].target.device)
                 plain = _run(engines["plain"], prompt, 0, temp, cfg, "none")
-                runs.append(plain | {"prompt": i})
+                runs.append(plain | {"prompt": i, "read_bandwidth": bandwidth})
                 progress.advance(task)
                 for name in cfg.proposers:
                     for k in cfg.ks:
@@ -144,16 +150,24 @@ def _row(key: tuple, rs: list[dict]) -> dict:
 
 
 def roofline(engine, runs: list[dict]) -> dict:
-    """Plain greedy decode tokens/s against read bandwidth / weight bytes per token."""
+    """Plain greedy decode tokens/s against read bandwidth / weight bytes per token, each
+    plain run against the bandwidth probed just before it; the fraction reported is the
+    median over runs (min and max kept), the bandwidth the median probe."""
     plain = [r for r in runs if r["proposer"] == "none" and r["temperature"] == 0]
+    weight_bytes = weight_bytes_per_token(engine.target.model)
+    fractions = [(r["num_tokens"] - 1) / r["decode_seconds"] * weight_bytes
+                 / r["read_bandwidth"] for r in plain]
+    bandwidth = statistics.median(r["read_bandwidth"] for r in plain)
     decode_tps = sum(r["num_tokens"] - 1 for r in plain) / sum(r["decode_seconds"]
                                                                for r in plain)
-    bandwidth = measure_read_bandwidth(device=engine.target.device)
-    weight_bytes = weight_bytes_per_token(engine.target.model)
-    ceiling = bandwidth / weight_bytes
-    return {"read_bandwidth_gb_s": bandwidth / 1e9, "weight_bytes_per_token": weight_bytes,
-            "roofline_tokens_per_s": ceiling, "plain_decode_tokens_per_s": decode_tps,
-            "fraction_of_roofline": decode_tps / ceiling}
+    return {"read_bandwidth_gb_s": bandwidth / 1e9,
+            "read_bandwidth_range_gb_s": [min(r["read_bandwidth"] for r in plain) / 1e9,
+                                          max(r["read_bandwidth"] for r in plain) / 1e9],
+            "weight_bytes_per_token": weight_bytes,
+            "roofline_tokens_per_s": bandwidth / weight_bytes,
+            "plain_decode_tokens_per_s": decode_tps,
+            "fraction_of_roofline": statistics.median(fractions),
+            "fraction_of_roofline_range": [min(fractions), max(fractions)]}
 
 
 def build_engines(cfg: SpecBenchConfig) -> dict:

@@ -96,3 +96,30 @@ def test_weight_bytes_skip_embedding_but_count_tied_head():
     assert weight_bytes_per_token(untied) == total - embed
     assert weight_bytes_per_token(tied) == total - embed  # head reads the shared table
     assert torch.is_tensor(tied.lm_head.proj.weight)
+
+
+def test_roofline_sets_each_plain_run_against_its_own_bandwidth_probe(tmp_path):
+    """The probe drifts between runs: run 1 decodes at 80% of its probe, run 2 at 90% of a
+    probe twice as fast; the median fraction and the spread come from the pairs, and the
+    report prints both."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from specmoe.bench.report import markdown
+    from specmoe.bench.spec import roofline
+    model = nn.Linear(1000, 1000, bias=False)  # 4 MB of fp32 weights per token
+    engine = SimpleNamespace(target=SimpleNamespace(model=model))
+    wb = weight_bytes_per_token(model)
+    runs = [_run("humaneval", "none", 0, 0.0, 101, 100 / (0.8 * 1e9 / wb)),
+            _run("gsm8k", "none", 0, 0.0, 101, 100 / (0.9 * 2e9 / wb)),
+            _run("gsm8k", "draft", 2, 0.0, 101, 1.0)]
+    runs[0]["read_bandwidth"], runs[1]["read_bandwidth"] = 1e9, 2e9
+    rf = roofline(engine, runs)
+    assert rf["fraction_of_roofline_range"] == pytest.approx([0.8, 0.9])
+    assert rf["fraction_of_roofline"] == pytest.approx(0.85)
+    assert rf["read_bandwidth_range_gb_s"] == pytest.approx([1.0, 2.0])
+    results = {"config": {"target": "t", "draft": "d", "draft_quantization": "int4",
+                          "dtype": "bfloat16", "max_tokens": 64, "num_prompts": 1},
+               "total_seconds": 60.0, "rows": aggregate(runs), "runs": runs, "roofline": rf}
+    assert "80-90% of the roofline, median 85%" in markdown(results)
