@@ -17,7 +17,7 @@ import ctypes
 import torch
 
 from specmoe.kernels import gemv
-from specmoe.kernels.build import KernelBuildError, LazyKernel, load
+from specmoe.kernels.build import LazyKernel, load
 
 
 def load_kernel():
@@ -28,10 +28,7 @@ def load_kernel():
         KernelBuildError: no suitable CPU, no compiler, or the build failed.
         OSError: the built library cannot be loaded.
     """
-    reason = gemv._cpu_reason()
-    if reason is not None:
-        raise KernelBuildError(reason)
-    fn = load("attention_bf16.c").specmoe_attention_bf16
+    fn = load("attention_bf16.c", cpu_flags=gemv.REQUIRED_CPU_FLAGS).specmoe_attention_bf16
     fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn

@@ -26,6 +26,7 @@
 #include <stdlib.h>
 #include <omp.h>
 
+#include "avx512_math.h"
 #include "bf16_dot.h"
 
 #if !defined(__AVX512F__)
@@ -55,26 +56,6 @@ static inline uint16_t f32_to_bf16(float f) {
     union { float f; uint32_t u; } c = {.f = f};
     if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40); /* NaN */
     return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);  /* round to nearest even */
-}
-
-/* exp(x) for 16 lanes: 2^n * p(r), x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial
- * (relative error ~2e-7); x below -87 gives 0. */
-static inline __m512 exp512(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.0f);
-    __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    x = _mm512_max_ps(x, lo);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps(~tiny, p, n);
 }
 
 typedef struct {

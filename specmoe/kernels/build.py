@@ -104,8 +104,14 @@ def build(source: str, extra_flags: tuple[str, ...] = ()) -> Path:
     return out
 
 
-def load(source: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """Build (if needed) and load `source`. Raises KernelBuildError or OSError."""
+def load(source: str, extra_flags: tuple[str, ...] = (),
+         cpu_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """Build (if needed) and load `source`, first checking that this CPU has `cpu_flags`
+    (see `cpu_reason`). Raises KernelBuildError (the CPU, the compiler or the build) or
+    OSError (loading)."""
+    reason = cpu_reason(cpu_flags) if cpu_flags else None
+    if reason is not None:
+        raise KernelBuildError(reason)
     return ctypes.CDLL(str(build(source, extra_flags)))
 
 

@@ -14,7 +14,7 @@ import ctypes
 import torch
 
 from specmoe.kernels import gemv
-from specmoe.kernels.build import KernelBuildError, LazyKernel, load
+from specmoe.kernels.build import LazyKernel, load
 
 _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
@@ -27,10 +27,7 @@ def load_kernels():
         KernelBuildError: no suitable CPU, no compiler, or the build failed.
         OSError: the built library cannot be loaded.
     """
-    reason = gemv._cpu_reason()
-    if reason is not None:
-        raise KernelBuildError(reason)
-    lib = load("elementwise_bf16.c")
+    lib = load("elementwise_bf16.c", cpu_flags=gemv.REQUIRED_CPU_FLAGS)
     lib.specmoe_rms_norm_bf16.argtypes = [_P, _I, _P, _P, _I, _I, _I, _F, _T]
     lib.specmoe_rotary_bf16.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _T]
     lib.specmoe_silu_and_mul_bf16.argtypes = [_P, _P, _I, _I, _T]

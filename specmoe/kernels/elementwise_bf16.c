@@ -20,6 +20,8 @@
 #include <stdint.h>
 #include <omp.h>
 
+#include "avx512_math.h"
+
 #if !defined(__AVX512F__) || !defined(__AVX512BW__)
 #error "specmoe elementwise_bf16 needs AVX-512F and AVX-512BW"
 #endif
@@ -107,26 +109,6 @@ int specmoe_rotary_bf16(uint16_t *q, int64_t q_stride, uint16_t *k, int64_t k_st
         rotate_row(k + t * k_stride, nk, hd, c, s);
     }
     return 0;
-}
-
-/* exp(x) for 16 lanes: 2^n * p(r), x = n ln2 + r, degree-6 polynomial (relative error
- * ~2e-7); x below -87 gives 0, above 88 gives inf. */
-static inline __m512 exp512(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.0f);
-    __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(89.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps(~tiny, p, n);
 }
 
 /* gate_up: [T, 2I] (gate columns first), out: [T, I]. I % 16 == 0. */

@@ -14,11 +14,11 @@ import os
 
 import torch
 
-from specmoe.kernels.build import KernelBuildError, LazyKernel, cpu_reason, load
+from specmoe.kernels.build import LazyKernel, load
 
 DISABLE_ENV = "SPECMOE_DISABLE_CPU_KERNELS"
 MAX_ROWS = 16  # the most input rows the kernel takes; more (prefill) go to F.linear
-_REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw")
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw")
 
 _enabled = os.environ.get(DISABLE_ENV, "").strip().lower() not in ("1", "true", "yes")
 
@@ -35,10 +35,6 @@ def is_enabled() -> bool:
     return _enabled
 
 
-def _cpu_reason() -> str | None:
-    return cpu_reason(_REQUIRED_CPU_FLAGS)
-
-
 def load_kernel(extra_flags: tuple[str, ...] = ()):
     """Build and load the kernel; returns the ctypes function
     `specmoe_linear_bf16(x, w, bias | NULL, y, T, K, N, num_threads) -> int` with its
@@ -48,10 +44,7 @@ def load_kernel(extra_flags: tuple[str, ...] = ()):
         KernelBuildError: no suitable CPU, no compiler, or the build failed.
         OSError: the built library cannot be loaded.
     """
-    reason = _cpu_reason()
-    if reason is not None:
-        raise KernelBuildError(reason)
-    lib = load("gemv_bf16.c", extra_flags)
+    lib = load("gemv_bf16.c", extra_flags, REQUIRED_CPU_FLAGS)
     fn = lib.specmoe_linear_bf16
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     fn.restype = ctypes.c_int

@@ -21,7 +21,7 @@ import functools
 import torch
 
 from specmoe.kernels import gemv
-from specmoe.kernels.build import KernelBuildError, LazyKernel, cpu_reason, load
+from specmoe.kernels.build import LazyKernel, cpu_reason, load
 
 GROUP_SIZE = 32  # inputs per quantisation group: the only size the kernel takes
 MAX_ROWS = gemv.MAX_ROWS  # the most input rows the kernel takes (16)
@@ -53,10 +53,7 @@ def load_kernel(extra_flags: tuple[str, ...] = ()):
         KernelBuildError: no suitable CPU, no compiler, or the build failed.
         OSError: the built library cannot be loaded.
     """
-    reason = cpu_unsupported_reason()
-    if reason is not None:
-        raise KernelBuildError(reason)
-    lib = load("gemv_int4.c", extra_flags)
+    lib = load("gemv_int4.c", extra_flags, _REQUIRED_CPU_FLAGS)
     fn = lib.specmoe_linear_int4
     fn.argtypes = [ctypes.POINTER(_CWeights), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                    ctypes.c_int, ctypes.c_int]
