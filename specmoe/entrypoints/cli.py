@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from specmoe.entrypoints.args import comma_list
 from specmoe.entrypoints.routing_cli import (add_routing_parser, check_trace_path, cmd_routing,
                                              generate_with_trace)
 from specmoe.entrypoints.study_cli import add_study_parser
@@ -166,15 +167,17 @@ def add_bench_parser(sub) -> None:
                       help="the target's weights in int8/int4 (default: --dtype)")
     spec.add_argument("--draft-quantization", default=d.draft_quantization,
                       choices=["int8", "int4", "none"])
-    spec.add_argument("--datasets", default=",".join(d.datasets))
+    spec.add_argument("--datasets", type=comma_list(), default=",".join(d.datasets))
     spec.add_argument("--num-prompts", type=int, default=d.num_prompts,
                       help="per data set (per category for Spec-Bench)")
-    spec.add_argument("--spec-bench-categories", default=",".join(d.spec_bench_categories))
-    spec.add_argument("--proposers", default=",".join(d.proposers))
-    spec.add_argument("--ks", default=",".join(map(str, d.ks)))
-    spec.add_argument("--temperatures", default=",".join(map(str, d.temperatures)))
+    spec.add_argument("--spec-bench-categories", type=comma_list(),
+                      default=",".join(d.spec_bench_categories))
+    spec.add_argument("--proposers", type=comma_list(), default=",".join(d.proposers))
+    spec.add_argument("--ks", type=comma_list(int), default=",".join(map(str, d.ks)))
+    spec.add_argument("--temperatures", type=comma_list(float),
+                      default=",".join(map(str, d.temperatures)))
     spec.add_argument("--max-tokens", type=int, default=d.max_tokens)
-    spec.add_argument("--peers", default="",
+    spec.add_argument("--peers", type=comma_list(), default="",
                       help="comma list of transformers, llama-cpp (llama-cpp-python on the "
                            "GGUF file; install it with `make peers`)")
     spec.add_argument("--out", default="out/bench_spec", help="report directory")
@@ -195,13 +198,14 @@ def add_bench_throughput_parser(bench) -> None:
     tp.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
     tp.add_argument("--quantization", default=None, choices=["int8", "int4"])
     tp.add_argument("--draft-quantization", default=None, choices=["int8", "int4"])
-    tp.add_argument("--concurrency", default=",".join(map(str, d.concurrency)),
+    tp.add_argument("--concurrency", type=comma_list(int),
+                    default=",".join(map(str, d.concurrency)),
                     help="comma list of concurrent requests (default: %(default)s)")
     tp.add_argument("--max-tokens", type=int, default=d.max_tokens,
                     help="tokens per request, EOS ignored (default: %(default)s)")
     tp.add_argument("--reps", type=int, default=d.reps,
                     help="repetitions of the sweep (default: %(default)s)")
-    tp.add_argument("--datasets", default=",".join(d.datasets))
+    tp.add_argument("--datasets", type=comma_list(), default=",".join(d.datasets))
     tp.add_argument("--num-requests", type=int, default=d.num_requests,
                     help="requests of a run at smaller C, in waves of C, so every C sees "
                          "the same prompts (default: %(default)s)")
@@ -224,7 +228,7 @@ def add_bench_serve_parser(bench) -> None:
     sv.add_argument("--model", default=None, help="model name (default: the server's first)")
     sv.add_argument("--api-key", default=None, help="bearer token (default: $SPECMOE_API_KEY)")
     sv.add_argument("--endpoint", default=d.endpoint, choices=["chat", "completions"])
-    sv.add_argument("--datasets", default=",".join(d.datasets),
+    sv.add_argument("--datasets", type=comma_list(), default=",".join(d.datasets),
                     help="prompt sets to cycle through (default: %(default)s)")
     sv.add_argument("--num-requests", type=int, default=d.num_requests,
                     help="requests to send (default: %(default)s)")
@@ -257,7 +261,7 @@ def cmd_bench_serve(args) -> int:
     cfg = ServeBenchConfig(
         base_url=args.base_url.rstrip("/"), model=args.model,
         api_key=args.api_key or os.environ.get("SPECMOE_API_KEY"), endpoint=args.endpoint,
-        datasets=[d for d in args.datasets.split(",") if d], num_requests=args.num_requests,
+        datasets=args.datasets, num_requests=args.num_requests,
         duration_s=args.duration, request_rate=args.request_rate,
         concurrency=args.concurrency, max_tokens=args.max_tokens,
         temperature=args.temperature, ignore_eos=args.ignore_eos, slo_ttft_s=args.slo_ttft,
@@ -280,9 +284,9 @@ def cmd_bench_throughput(args) -> None:
         model=args.model, draft=args.draft, num_speculative_tokens=args.num_speculative_tokens,
         dtype=args.dtype, quantization=args.quantization,
         draft_quantization=args.draft_quantization,
-        concurrency=[int(c) for c in args.concurrency.split(",") if c],
+        concurrency=args.concurrency,
         max_tokens=args.max_tokens, reps=args.reps,
-        datasets=[d for d in args.datasets.split(",") if d], num_requests=args.num_requests,
+        datasets=args.datasets, num_requests=args.num_requests,
         max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
         num_threads=args.threads)
     out = Path(args.out or f"out/throughput-{time.strftime('%Y%m%d-%H%M')}")
@@ -299,15 +303,13 @@ def cmd_bench_spec(args) -> None:
 
     from specmoe.bench.report import write_report
     from specmoe.bench.spec import SpecBenchConfig, run_spec_bench
-    split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
     cfg = SpecBenchConfig(
         target=args.target, draft=args.draft, dtype=args.dtype, quantization=args.quantization,
         draft_quantization=None if args.draft_quantization == "none" else
-        args.draft_quantization, datasets=split(args.datasets), num_prompts=args.num_prompts,
-        spec_bench_categories=split(args.spec_bench_categories),
-        proposers=split(args.proposers), ks=[int(k) for k in split(args.ks)],
-        temperatures=[float(t) for t in split(args.temperatures)],
-        max_tokens=args.max_tokens, peers=split(args.peers))
+        args.draft_quantization, datasets=args.datasets, num_prompts=args.num_prompts,
+        spec_bench_categories=args.spec_bench_categories, proposers=args.proposers,
+        ks=args.ks, temperatures=args.temperatures, max_tokens=args.max_tokens,
+        peers=args.peers)
     results = run_spec_bench(cfg)
     for path in write_report(results, Path(args.out)):
         print(path)

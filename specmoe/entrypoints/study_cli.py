@@ -14,14 +14,7 @@ from specmoe.analysis.speedup import parse_acceptance_lengths
 from specmoe.analysis.study_config import (ROUTINGS, StudyConfig, StudyPlan, plan_study,
                                            prepare_out_dir)
 from specmoe.analysis.study_report import write_outputs
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"invalid list {text!r}: expected ints like "
-                                         "1,2,4") from exc
+from specmoe.entrypoints.args import comma_list
 
 
 def _acceptance_arg(text: str) -> dict[int, float]:
@@ -37,11 +30,11 @@ def add_study_parser(sub) -> None:
     d = StudyConfig()
     p.add_argument("--out", default="study-report",
                    help="report directory, created if missing (default: %(default)s)")
-    p.add_argument("--presets", default=",".join(d.presets),
+    p.add_argument("--presets", type=comma_list(), default=",".join(d.presets),
                    help=f"target presets, from {TARGET_PRESETS}")
-    p.add_argument("--batch-sizes", type=_int_list, default=d.batch_sizes,
+    p.add_argument("--batch-sizes", type=comma_list(int), default=d.batch_sizes,
                    help="B values, ascending (default: 1,2,4,8,16,32,64)")
-    p.add_argument("--num-tokens", type=_int_list, default=d.num_tokens,
+    p.add_argument("--num-tokens", type=comma_list(int), default=d.num_tokens,
                    help="T values (tokens per request per forward, K + 1); must include 1")
     p.add_argument("--reps", type=int, default=d.reps,
                    help="repetitions of every grid point; min and median are reported "
@@ -71,7 +64,7 @@ def add_study_parser(sub) -> None:
     p.add_argument("--e2e-model", default=d.e2e_model,
                    help="real MoE target run end to end against the prediction ('none': skip)")
     p.add_argument("--e2e-draft", default=d.e2e_draft, help="its draft model")
-    p.add_argument("--e2e-batch-sizes", type=_int_list, default=d.e2e_batch_sizes)
+    p.add_argument("--e2e-batch-sizes", type=comma_list(int), default=d.e2e_batch_sizes)
     p.add_argument("--seed", type=int, default=d.seed,
                    help="seeds weights, token ids and routing draws (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None,
@@ -80,7 +73,7 @@ def add_study_parser(sub) -> None:
 
 def config_from_args(args) -> StudyConfig:
     return StudyConfig(
-        presets=[x.strip() for x in args.presets.split(",") if x.strip()],
+        presets=args.presets,
         batch_sizes=args.batch_sizes, num_tokens=args.num_tokens, reps=args.reps,
         context_len=args.context_len, routing=args.routing, overlap=args.overlap,
         scale_layers=args.scale_layers, dtype=args.dtype, device=args.device,

@@ -1,0 +1,36 @@
+"""Comma-list options parse to typed lists (defaults included) and a bad item is an argparse
+error naming the value, not a traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from specmoe.entrypoints.args import comma_list
+from specmoe.entrypoints.cli import build_parser
+
+
+def test_comma_list_types_and_blanks():
+    assert comma_list(int)("1, 2,,4 ") == [1, 2, 4]
+    assert comma_list(float)("0,0.7") == [0.0, 0.7]
+    assert comma_list()("") == []
+
+
+@pytest.mark.parametrize("argv,field,expected", [
+    (["bench", "spec"], "ks", [1, 2, 3, 4, 5, 6, 8]),
+    (["bench", "spec", "--ks", "4,8", "--temperatures", "0"], "ks", [4, 8]),
+    (["bench", "spec", "--peers", "llama-cpp"], "peers", ["llama-cpp"]),
+    (["bench", "throughput", "--concurrency", "1,16"], "concurrency", [1, 16]),
+    (["study", "--batch-sizes", "1,8"], "batch_sizes", [1, 8]),
+])
+def test_options_parse_to_lists(argv, field, expected):
+    assert getattr(build_parser().parse_args(argv), field) == expected
+
+
+@pytest.mark.parametrize("argv", [["bench", "spec", "--ks", "2,x"],
+                                  ["bench", "throughput", "--concurrency", "1,a"],
+                                  ["bench", "spec", "--temperatures", "hot"]])
+def test_bad_item_is_a_usage_error(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(argv)
+    assert exc.value.code == 2
+    assert "invalid list" in capsys.readouterr().err
