@@ -18,8 +18,10 @@ def write_report(results: dict, out_dir: Path) -> list[Path]:
 
 def markdown(results: dict) -> str:
     cfg, rf = results["config"], results["roofline"]
-    lines = [f"# Speculative decoding: {cfg['target']} with draft {cfg['draft']} "
-             f"({cfg['draft_quantization'] or cfg['dtype']}) and n-gram",
+    proposers = {"draft": f"draft {cfg['draft']} ({cfg['draft_quantization'] or cfg['dtype']})",
+                 "ngram": "n-gram"}
+    lines = [f"# Speculative decoding: {cfg['target']} with "
+             + " and ".join(proposers[p] for p in cfg.get("proposers", proposers)),
              "", f"target {cfg.get('quantization') or cfg['dtype']} (activations "
              f"{cfg['dtype']}), {cfg['max_tokens']} tokens per prompt (EOS ignored), "
              f"{cfg['num_prompts']} prompts per data set (Spec-Bench: per category); "
@@ -30,7 +32,8 @@ def markdown(results: dict) -> str:
              f"{rf['weight_bytes_per_token'] / 1e9:.2f} GB -> ceiling "
              f"{rf['roofline_tokens_per_s']:.2f} tok/s; plain decode "
              f"{rf['plain_decode_tokens_per_s']:.2f} tok/s = "
-             f"{100 * rf['fraction_of_roofline']:.0f}% of it.", *_roofline_range(rf), ""]
+             f"{100 * rf['fraction_of_roofline']:.0f}% of it (decode steps only; the tok/s "
+             "of the tables below include each run's prefill).", *_roofline_range(rf), ""]
     if "peers" in results:
         lines += ["## Peers (same model files, same prompts, greedy)", "",
                   *peer_table(results["peers"], cfg.get("quantization")), ""]

@@ -22,6 +22,7 @@ from specmoe.sampling_params import SamplingParams
 from specmoe.utils.data import load_prompts
 
 SPEC_BENCH_CATEGORIES = ["summarization", "rag", "translation", "qa", "math_reasoning"]
+PROPOSERS = ("draft", "ngram")
 PROBE_BYTES = 1 << 30  # the bandwidth probe's buffer: 32x the last-level cache here
 
 
@@ -189,6 +190,9 @@ def build_engines(cfg: SpecBenchConfig) -> dict:
 def run_spec_bench(cfg: SpecBenchConfig) -> dict:
     """Run everything `cfg` asks for; returns the JSON-ready results."""
     from specmoe.bench.spec_peers import check_peers, run_peers
+    bad = [p for p in cfg.proposers if p not in PROPOSERS]
+    if bad or not cfg.proposers:
+        raise ValueError(f"invalid proposers={cfg.proposers}: choose from {PROPOSERS}")
     check_peers(cfg.peers)  # before the sweep: a missing peer package fails at once
     t0 = time.perf_counter()
     engines = build_engines(cfg)

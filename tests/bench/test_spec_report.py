@@ -123,3 +123,21 @@ def test_roofline_sets_each_plain_run_against_its_own_bandwidth_probe(tmp_path):
                           "dtype": "bfloat16", "max_tokens": 64, "num_prompts": 1},
                "total_seconds": 60.0, "rows": aggregate(runs), "runs": runs, "roofline": rf}
     assert "80-90% of the roofline, median 85%" in markdown(results)
+
+
+def test_title_names_only_the_proposers_that_ran_and_bad_proposers_fail_first():
+    from specmoe.bench.report import markdown
+    from specmoe.bench.spec import SpecBenchConfig, run_spec_bench
+    runs = [_run("humaneval", "none", 0, 0.0, 65, 8.0), _run("humaneval", "draft", 2, 0.0, 65, 4.0)]
+    runs[0]["read_bandwidth"] = 1e9
+    results = {"config": {"target": "t", "draft": "d", "draft_quantization": "int4",
+                          "dtype": "bfloat16", "max_tokens": 64, "num_prompts": 1,
+                          "proposers": ["draft"]},
+               "total_seconds": 60.0, "rows": aggregate(runs), "runs": runs,
+               "roofline": {"read_bandwidth_gb_s": 25.0, "weight_bytes_per_token": 2.5e9,
+                            "roofline_tokens_per_s": 10.0, "plain_decode_tokens_per_s": 8.5,
+                            "fraction_of_roofline": 0.85}}
+    title = markdown(results).splitlines()[0]
+    assert title == "# Speculative decoding: t with draft d (int4)"
+    with pytest.raises(ValueError, match="invalid proposers=\\['foo'\\]"):
+        run_spec_bench(SpecBenchConfig(proposers=["foo"]))  # before any model loads
