@@ -40,22 +40,11 @@
 #define NEG_BIG -1e30f    /* running-max start: finite, so exp(m_old - m_new) is never NaN */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-static inline __m512 load_bf16x16(const uint16_t *p) {
-    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-}
-
 /* 32 bf16 from p, the last pair-vector of a head_dim that is an odd multiple of 16 half
  * filled (zeros add nothing to a dot product). */
 ALWAYS_INLINE __m512i load_pairs(const uint16_t *p, int64_t c, const int64_t hd) {
     __mmask32 m = 32 * (c + 1) <= hd ? 0xFFFFFFFFu : 0x0000FFFFu;
     return _mm512_maskz_loadu_epi16(m, p + 32 * c);
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    union { float f; uint32_t u; } c = {.f = f};
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40); /* NaN */
-    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);  /* round to nearest even */
 }
 
 typedef struct {
@@ -135,14 +124,11 @@ ALWAYS_INLINE void load_queries(Query *qs, const uint16_t *q, const Shape *s, in
 static void store_outputs(const Query *qs, uint16_t *out, const Shape *s, int64_t row0,
                           int64_t v0, int64_t nv, int64_t kvh) {
     const int64_t G = s->num_heads / s->num_kv_heads, hd = s->head_dim;
-    float buf[16] __attribute__((aligned(64)));
     for (int64_t i = 0; i < nv; i++) {
         const int64_t v = v0 + i;
         uint16_t *orow = out + ((row0 + v / G) * s->num_heads + kvh * G + v % G) * hd;
-        for (int64_t c = 0; c < hd / 16; c++) {
-            _mm512_store_ps(buf, _mm512_div_ps(qs[i].acc[c], _mm512_set1_ps(qs[i].l)));
-            for (int k = 0; k < 16; k++) orow[16 * c + k] = f32_to_bf16(buf[k]);
-        }
+        for (int64_t c = 0; c < hd / 16; c++)
+            store_bf16x16(orow + 16 * c, _mm512_div_ps(qs[i].acc[c], _mm512_set1_ps(qs[i].l)));
     }
 }
 

@@ -1,8 +1,43 @@
-/* exp512: exp(x) in the 16 fp32 lanes of an AVX-512 register, shared by the attention and
- * elementwise kernels; specmoe/kernels/build.py hashes this header into their cache keys. */
+/* bf16 <-> fp32 conversions (scalar and 16 lanes, round to nearest even, NaN kept a quiet
+ * NaN) and exp512, exp(x) in the 16 fp32 lanes of an AVX-512 register: shared by the bf16
+ * linear, attention and elementwise kernels; specmoe/kernels/build.py hashes this header
+ * into their cache keys. */
 #ifndef SPECMOE_AVX512_MATH_H
 #define SPECMOE_AVX512_MATH_H
 #include <immintrin.h>
+#include <stdint.h>
+
+static inline float bf16_to_f32(uint16_t v) {
+    union { uint32_t u; float f; } c = {.u = (uint32_t)v << 16};
+    return c.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    union { float f; uint32_t u; } c = {.f = f};
+    if ((c.u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((c.u >> 16) | 0x40);  /* NaN */
+    return (uint16_t)((c.u + 0x7FFFu + ((c.u >> 16) & 1u)) >> 16);
+}
+
+/* 16 bf16 from p, widened to fp32. */
+static inline __m512 load_bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* fp32 bit patterns rounded to nearest even at bf16 precision (the bf16 in the upper 16
+ * bits), as f32_to_bf16 does per lane. */
+static inline __m512i bf16_round_bits(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(
+        _mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x00400000)));
+}
+
+/* 16 fp32 lanes stored at p as bf16. */
+static inline void store_bf16x16(uint16_t *p, __m512 v) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_bits(v), 16)));
+}
 
 /* exp(x) for 16 lanes: 2^n * p(r), x = n ln2 + r, degree-6 polynomial (relative error
  * ~2e-7); x below -87 gives 0, above 88 gives inf. */

@@ -28,28 +28,9 @@
 
 #define MIN_PARALLEL_ELEMS (1 << 16) /* smaller tensors run on one thread */
 
-static inline __m512 load_bf16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-/* fp32 bit patterns rounded to nearest even at bf16 precision (the bf16 in the upper 16
- * bits; NaN kept a quiet NaN). */
-static inline __m512i round_bits(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(
-        _mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x00400000)));
-}
-
-static inline void store_bf16(uint16_t *p, __m512 v) {
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bits(v), 16)));
-}
-
 /* The bf16 value nearest v, as fp32 (what a round trip through a bf16 tensor gives). */
 static inline __m512 round_bf16(__m512 v) {
-    return _mm512_castsi512_ps(_mm512_and_si512(round_bits(v), _mm512_set1_epi32((int)0xFFFF0000u)));
+    return _mm512_castsi512_ps(_mm512_and_si512(bf16_round_bits(v), _mm512_set1_epi32((int)0xFFFF0000u)));
 }
 
 static inline int threads_for(int64_t elems, int num_threads) {
@@ -65,13 +46,13 @@ int specmoe_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w
         const uint16_t *xr = x + t * x_stride;
         __m512 ss = _mm512_setzero_ps();
         for (int64_t i = 0; i < H; i += 16) {
-            __m512 v = load_bf16(xr + i);
+            __m512 v = load_bf16x16(xr + i);
             ss = _mm512_fmadd_ps(v, v, ss);
         }
         const __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)H + eps));
         for (int64_t i = 0; i < H; i += 16)
-            store_bf16(out + t * out_stride + i,
-                       _mm512_mul_ps(load_bf16(w + i), round_bf16(_mm512_mul_ps(load_bf16(xr + i), r))));
+            store_bf16x16(out + t * out_stride + i,
+                       _mm512_mul_ps(load_bf16x16(w + i), round_bf16(_mm512_mul_ps(load_bf16x16(xr + i), r))));
     }
     return 0;
 }
@@ -83,12 +64,12 @@ static inline void rotate_row(uint16_t *x, int64_t n_heads, int64_t hd, const fl
     for (int64_t h = 0; h < n_heads; h++) {
         uint16_t *a = x + h * hd, *b = a + half;
         for (int64_t i = 0; i < half; i += 16) {
-            __m512 x1 = load_bf16(a + i), x2 = load_bf16(b + i);
+            __m512 x1 = load_bf16x16(a + i), x2 = load_bf16x16(b + i);
             __m512 ci = _mm512_loadu_ps(c + i), si = _mm512_loadu_ps(s + i);
             __m512 o1 = _mm512_sub_ps(_mm512_mul_ps(x1, ci), _mm512_mul_ps(x2, si));
             __m512 o2 = _mm512_add_ps(_mm512_mul_ps(x2, ci), _mm512_mul_ps(x1, si));
-            store_bf16(a + i, o1);
-            store_bf16(b + i, o2);
+            store_bf16x16(a + i, o1);
+            store_bf16x16(b + i, o2);
         }
     }
 }
@@ -119,10 +100,10 @@ int specmoe_silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t T,
     for (int64_t t = 0; t < T; t++) {
         const uint16_t *g = gate_up + t * 2 * I, *u = g + I;
         for (int64_t i = 0; i < I; i += 16) {
-            __m512 x = load_bf16(g + i);
+            __m512 x = load_bf16x16(g + i);
             __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f),
                                                           exp512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-            store_bf16(out + t * I + i, _mm512_mul_ps(round_bf16(silu), load_bf16(u + i)));
+            store_bf16x16(out + t * I + i, _mm512_mul_ps(round_bf16(silu), load_bf16x16(u + i)));
         }
     }
     return 0;

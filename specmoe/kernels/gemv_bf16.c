@@ -40,21 +40,11 @@
 #define ROW_ALIGN 12  /* thread ranges start at multiples of every tile height (3, 4) */
 #define MIN_BYTES_PER_THREAD (256 << 10) /* smaller weights run on one thread */
 
+#include "avx512_math.h"
 #include "bf16_dot.h"
 
 /* 2: vdpbf16ps, 1: shift + FMA. Lets Python report which path it built. */
 int specmoe_gemv_isa(void) { return SPECMOE_ISA; }
-
-static inline float bf16_to_f32(uint16_t v) {
-    union { uint32_t u; float f; } c = {.u = (uint32_t)v << 16};
-    return c.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN stays NaN */
-    union { float f; uint32_t u; } c = {.f = f};
-    if ((c.u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((c.u >> 16) | 0x40);
-    return (uint16_t)((c.u + 0x7FFFu + ((c.u >> 16) & 1u)) >> 16);
-}
 
 /* R weight rows x G input rows, all K columns; results (+ bias) go to y[t * N + n]. The
  * R rows are read side by side and the hardware prefetcher alone falls behind on R short
