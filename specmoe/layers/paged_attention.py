@@ -128,7 +128,6 @@ class AttentionMetadata:
     sequences: KernelSequences
     sliding_window: int | None
     _slices: list[SequenceSlice]
-    _block_size: int
     _device: torch.device | str
     _torch_path: tuple[list[DecodeGroup], list[PrefillSequence]] | None = None
 
@@ -157,7 +156,7 @@ class AttentionMetadata:
         token_starts = torch.cumsum(counts, 0) - counts  # [B]
         sequences = KernelSequences(token_starts, counts, starts, tables, block_size)
         return cls(int(counts.sum()), slot_mapping.to(device), sequences, sliding_window,
-                   seqs, block_size, device)
+                   seqs, device)
 
     @property
     def decodes(self) -> list[DecodeGroup]:
@@ -171,8 +170,8 @@ class AttentionMetadata:
 
     def _torch_groups(self) -> tuple[list[DecodeGroup], list[PrefillSequence]]:
         if self._torch_path is None:
-            seqs, block_size, device = self._slices, self._block_size, self._device
-            k = self.sequences
+            seqs, device, k = self._slices, self._device, self.sequences
+            block_size = k.block_size
             small = [i for i, s in enumerate(seqs) if s.num_tokens <= MAX_DECODE_QUERY]
             large = [i for i, s in enumerate(seqs) if s.num_tokens > MAX_DECODE_QUERY]
             decodes = [_decode_group(torch.tensor(group), k.start_pos, k.num_rows, k.row_start,
