@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import transformers
+
+from specmoe import kernels
 
 
 @pytest.fixture(scope="session")
@@ -17,3 +21,33 @@ def tiny_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen2")
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture
+def enabled(request):
+    """The test module's native kernel switched on for one test, skipped where it cannot be
+    built. The module names its kernel by KERNEL_UNAVAILABLE_REASON: a function returning
+    None once the kernel is loaded, else why not (building it if needed)."""
+    reason = request.module.KERNEL_UNAVAILABLE_REASON()
+    if reason is not None:
+        pytest.skip(f"native kernel unavailable: {reason}")
+    was = kernels.is_enabled()
+    kernels.set_enabled(True)
+    yield
+    kernels.set_enabled(was)
+
+
+@contextlib.contextmanager
+def _kernels_off():
+    was = kernels.is_enabled()
+    kernels.set_enabled(False)
+    try:
+        yield
+    finally:
+        kernels.set_enabled(was)
+
+
+@pytest.fixture
+def kernels_off():
+    """A context manager inside which the native kernels are off (the torch references run)."""
+    return _kernels_off

@@ -14,26 +14,17 @@ from specmoe.layers.norm import RMSNorm
 from specmoe.layers.rotary import RotaryEmbedding
 
 
+KERNEL_UNAVAILABLE_REASON = elementwise._lazy.unavailable_reason  # for `enabled`
+
+
 @pytest.fixture
-def enabled():
-    """The kernels, switched on for one test (skips where they cannot be built)."""
-    if elementwise._lazy.unavailable_reason() is not None:
-        pytest.skip(f"CPU elementwise kernels unavailable: {elementwise._lazy.unavailable}")
-    was = kernels.is_enabled()
-    kernels.set_enabled(True)
-    yield
-    kernels.set_enabled(was)
-
-
-def _both(fn):
-    """fn() with the kernels on, then off (the torch reference)."""
-    out = fn()
-    kernels.set_enabled(False)
-    try:
-        ref = fn()
-    finally:
-        kernels.set_enabled(True)
-    return out, ref
+def both(kernels_off):
+    """both(fn): fn() with the kernels on, then off (the torch reference)."""
+    def run(fn):
+        out = fn()
+        with kernels_off():
+            return out, fn()
+    return run
 
 
 def _assert_bf16_equal(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -44,25 +35,26 @@ def _assert_bf16_equal(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 300])
 @pytest.mark.parametrize("hidden", [64, 576, 2048])
-def test_rms_norm_matches_reference(enabled, rows, hidden):
+def test_rms_norm_matches_reference(enabled, both, rows, hidden):
     g = torch.Generator().manual_seed(rows * hidden)
     norm = RMSNorm(hidden, 1e-6).bfloat16()
     norm.weight.data = torch.randn(hidden, generator=g).bfloat16()
     x = (torch.randn(rows, hidden, generator=g) * 4).bfloat16()
     with torch.no_grad():
-        out, ref = _both(lambda: norm(x))
+        out, ref = both(lambda: norm(x))
         _assert_bf16_equal(out, ref)
         wide = (torch.randn(rows, 3 * hidden, generator=g)).bfloat16()
         view = wide[:, hidden:2 * hidden]  # strided rows, as a split projection
-        out, ref = _both(lambda: norm(view))
+        out, ref = both(lambda: norm(view))
         _assert_bf16_equal(out, ref)
-        out, ref = _both(lambda: norm(x.view(rows, 1, hidden)))  # 3-D contiguous
+        out, ref = both(lambda: norm(x.view(rows, 1, hidden)))  # 3-D contiguous
         _assert_bf16_equal(out, ref)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (12, 2, 128), (4, 4, 32)])
-def test_rotary_matches_reference_on_fused_qkv_views(enabled, rows, heads, kv_heads, head_dim):
+def test_rotary_matches_reference_on_fused_qkv_views(enabled, both, rows, heads, kv_heads,
+                                                     head_dim):
     g = torch.Generator().manual_seed(rows)
     rope = RotaryEmbedding(head_dim, 4096, 10000.0)
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
@@ -74,18 +66,18 @@ def test_rotary_matches_reference_on_fused_qkv_views(enabled, rows, heads, kv_he
         return rope(positions, q.reshape(rows, heads, head_dim),
                     k.reshape(rows, kv_heads, head_dim))
 
-    (q, k), (q_ref, k_ref) = _both(rotate)
+    (q, k), (q_ref, k_ref) = both(rotate)
     _assert_bf16_equal(q, q_ref)
     _assert_bf16_equal(k, k_ref)
 
 
 @pytest.mark.parametrize("rows", [1, 16, 200])
 @pytest.mark.parametrize("inter", [16, 1536, 8960])
-def test_silu_and_mul_matches_reference(enabled, rows, inter):
+def test_silu_and_mul_matches_reference(enabled, both, rows, inter):
     g = torch.Generator().manual_seed(inter)
     gate_up = (torch.randn(rows, 2 * inter, generator=g) * 6).bfloat16()
     gate_up[0, :3] = torch.tensor([-200.0, 200.0, 0.0])  # exp under- and overflow
-    out, ref = _both(lambda: silu_and_mul(gate_up))
+    out, ref = both(lambda: silu_and_mul(gate_up))
     _assert_bf16_equal(out, ref)
 
 
@@ -106,8 +98,5 @@ def test_kernels_decline_what_they_do_not_take(enabled):
     assert not elementwise.try_rotary_bf16(torch.tensor([0, 1, 2]), q48, q48[:, :1],
                                            torch.zeros(10, 24), torch.zeros(10, 24))  # hd % 32
     assert elementwise.try_silu_and_mul_bf16(torch.randn(2, 40).bfloat16()) is None  # I % 16
-    kernels.set_enabled(False)
-    try:
-        assert elementwise.try_silu_and_mul_bf16(torch.randn(2, 64).bfloat16()) is None
-    finally:
-        kernels.set_enabled(True)
+    kernels.set_enabled(False)  # the `enabled` fixture restores the switch
+    assert elementwise.try_silu_and_mul_bf16(torch.randn(2, 64).bfloat16()) is None

@@ -25,16 +25,7 @@ SHAPES = [(32, 1), (32, 7), (96, 5), (160, 37), (224, 129), (896, 128), (896, 13
           (4864, 37), (9248, 19)]
 
 
-@pytest.fixture
-def enabled():
-    """The kernel, switched on for one test (skips where it cannot be built)."""
-    reason = gemv_int4.kernel_unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"CPU int4 kernel unavailable: {reason}")
-    was = kernels.is_enabled()
-    kernels.set_enabled(True)
-    yield
-    kernels.set_enabled(was)
+KERNEL_UNAVAILABLE_REASON = gemv_int4.kernel_unavailable_reason  # for the `enabled` fixture
 
 
 def _int4(k: int, n: int, seed: int = 0):

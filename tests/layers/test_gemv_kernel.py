@@ -18,16 +18,7 @@ SHAPES = [(1, 7), (31, 3), (32, 1), (33, 5), (100, 37), (200, 19), (64, 129), (1
           (8960, 50)]
 
 
-@pytest.fixture
-def enabled():
-    """The kernel, switched on for one test (skips where it cannot be built)."""
-    reason = kernels.kernel_unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"CPU bf16 kernel unavailable: {reason}")
-    was = kernels.is_enabled()
-    kernels.set_enabled(True)
-    yield
-    kernels.set_enabled(was)
+KERNEL_UNAVAILABLE_REASON = kernels.kernel_unavailable_reason  # for the `enabled` fixture
 
 
 def _inputs(t: int, k: int, n: int, bias: bool, seed: int = 0):

@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specmoe.kernels import gemv
 from specmoe.kernels.attention import available as attention_kernel_available
 from specmoe.layers.paged_attention import (AttentionMetadata, SequenceSlice,
                                             attend_decode_reference, paged_attention)
@@ -82,7 +81,8 @@ def test_decode_path_matches_reference_and_per_sequence(num_heads, num_kv_heads,
                                                              (16, 1, 64), (32, 8, 128),
                                                              (9, 3, 64), (14, 2, 64)])
 @pytest.mark.parametrize("window", [None, 7])
-def test_native_decode_kernel_matches_torch_path(num_heads, num_kv_heads, head_dim, window):
+def test_native_decode_kernel_matches_torch_path(num_heads, num_kv_heads, head_dim, window,
+                                                kernels_off):
     """bf16: the native kernel (chunks of 16 keys; queries across the lanes, in several lane
     groups when G * rows > 16, or keys across the lanes when G * rows <= 8 and head_dim % 32
     == 0: the shapes here take both) against the torch path and per-sequence fp32 attention, sliding window included."""
@@ -93,11 +93,8 @@ def test_native_decode_kernel_matches_torch_path(num_heads, num_kv_heads, head_d
     scale = head_dim ** -0.5
     meta = AttentionMetadata.build(seqs, BLOCK_SIZE, "cpu", sliding_window=window)
     out = paged_attention(q, cache, meta, scale)
-    gemv.set_enabled(False)
-    try:
+    with kernels_off():
         torch_path = paged_attention(q, cache, meta, scale)
-    finally:
-        gemv.set_enabled(True)
     torch.testing.assert_close(out.float(), torch_path.float(), atol=2e-2, rtol=2e-2)
     expected = _per_sequence(seqs, q, hist, scale, window)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
@@ -109,7 +106,8 @@ def test_native_decode_kernel_matches_torch_path(num_heads, num_kv_heads, head_d
                                                              (4, 4, 16)])
 @pytest.mark.parametrize("window", [None, 40])
 def test_native_kernel_attends_prefill_and_decode_rows_in_one_call(num_heads, num_kv_heads,
-                                                                   head_dim, window):
+                                                                   head_dim, window,
+                                                                   kernels_off):
     """A forward mixing a fresh prefill, a chunked prefill continuing a cached prefix,
     verification rows and a decode row: the kernel writes every row, and they agree with
     the torch path (fused SDPA for the prefills) and with per-sequence fp32 attention."""
@@ -121,11 +119,8 @@ def test_native_kernel_attends_prefill_and_decode_rows_in_one_call(num_heads, nu
     meta = AttentionMetadata.build(seqs, BLOCK_SIZE, "cpu", sliding_window=window)
     out = paged_attention(q, cache, meta, scale)
     assert meta._torch_path is None  # the kernel served every row; no torch groups built
-    gemv.set_enabled(False)
-    try:
+    with kernels_off():
         torch_path = paged_attention(q, cache, meta, scale)
-    finally:
-        gemv.set_enabled(True)
     assert len(meta.prefills) == 2 and len(meta.decodes) >= 1
     torch.testing.assert_close(out.float(), torch_path.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(out.float(), _per_sequence(seqs, q, hist, scale, window),
