@@ -7,7 +7,7 @@
  * of those vectors). Keys are read from the cache through the block table in chunks of 16
  * laid across the 16 fp32 lanes of AVX-512 registers. Each score is a bf16 pair dot product
  * along head_dim (`vdpbf16ps`, or shifts and FMAs without AVX512-BF16: bf16_dot.h), and the
- * 16 keys' partial sums are reduced into one vector of 16 scores by a transposing add tree.
+ * 16 keys' partial sums are reduced into one vector of 16 scores by an add tree (reduce_add16).
  * The online softmax (running max and sum per query vector; Milakov and Gimelshein 2018,
  * arXiv 1805.02867; the chunked form of FlashAttention, Dao et al. 2022, arXiv 2205.14135)
  * then runs once per chunk on that vector, and P V adds e_p * v_p with head_dim across the
@@ -72,7 +72,7 @@ ALWAYS_INLINE __m512 chunk_scores(Query *qv, const uint16_t *const *kp, int n, i
         a[j] = d;
     }
     for (int j = n; j < CHUNK; j++) a[j] = _mm512_setzero_ps();
-    __m512 sc = _mm512_mul_ps(transpose_sum16(a), _mm512_set1_ps(scale));
+    __m512 sc = _mm512_mul_ps(reduce_add16(a), _mm512_set1_ps(scale));
     __m512i pos = _mm512_add_epi32(_mm512_set1_epi32((int32_t)p0),
                                    _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
     __mmask16 ok = (__mmask16)((1u << n) - 1)

@@ -1,13 +1,14 @@
 /* y[T, N] = x[T, K] @ w[N, K]^T (+ b[N]), bf16 in and out, fp32 accumulation, T <= 16.
  *
  * Decoding is bound by the bandwidth of reading w, so every weight row is streamed from
- * memory once for all T input rows: a tile of R weight rows is multiplied with groups of
- * up to 8 input rows while it sits in L1/L2; with at most 4 rows whose x fits in L1,
+ * memory once for all T input rows: a tile of 4 weight rows is multiplied with groups of
+ * up to 6 input rows while it sits in L1/L2; with at most 4 rows whose x fits in L1,
  * weight rows are read one after another instead (one stream, best for the prefetcher).
  * Each (row, token) pair keeps one 16-lane fp32 accumulator over the pairs
  * (w[2i], w[2i+1]) . (x[2i], x[2i+1]) of a 32-element step (`vdpbf16ps` with AVX512-BF16,
  * else the same pairs widened to fp32 by shifts + FMA), steps in ascending k, the K tail
- * read last with masked loads, then one horizontal sum. Each OpenMP thread takes one
+ * read last with masked loads, then one horizontal sum (the tiles do 16 at once with the
+ * same add tree as the single ones, `reduce_add16`). Each OpenMP thread takes one
  * contiguous range of output rows.
  *
  * Batch invariance: that summation order is the same in both code paths, for every T, every
@@ -31,13 +32,14 @@
 #endif
 
 #define MAX_T 16
-#define MAX_GROUP 8   /* input rows multiplied per pass over a weight tile */
+#define MAX_GROUP 6   /* input rows multiplied per pass over a weight tile */
+#define TILE_ROWS 4   /* weight rows per tile: 4 x 6 accumulators fill 24 registers */
 #define MAX_SEQ_ROWS 4 /* up to this many input rows, x small: rows_seq, not tiles */
 #define MAX_SEQ_X_BYTES (16 << 10)
 #define SEQ_PREFETCH_BYTES 4096 /* how far ahead rows_seq prefetches its weight stream */
 #define MAX_TILE_PREFETCH_BYTES (24 << 10) /* larger tiles prefetch TILE_PREFETCH_ELEMS ahead */
 #define TILE_PREFETCH_ELEMS 1024
-#define ROW_ALIGN 12  /* thread ranges start at multiples of every tile height (3, 4) */
+#define ROW_ALIGN TILE_ROWS  /* thread ranges start at multiples of the tile height */
 #define MIN_BYTES_PER_THREAD (256 << 10) /* smaller weights run on one thread */
 
 #include "avx512_math.h"
@@ -45,6 +47,36 @@
 
 /* 2: vdpbf16ps, 1: shift + FMA. Lets Python report which path it built. */
 int specmoe_gemv_isa(void) { return SPECMOE_ISA; }
+
+/* y[t * N + n + r] = bf16(sum of acc[r][t]'s lanes + bias[n + r]) for the R x G tile: 16
+ * horizontal sums at a time in the order (t, r), with the add tree of the single-row path
+ * (`reduce_add16`), and the rounding of `f32_to_bf16` on 16 lanes; a row's R outputs are
+ * adjacent in y. (One sum at a time, this epilogue took about a third of a 576-column
+ * tile's time.) */
+static inline __attribute__((always_inline)) void store_tile(
+    const int R, const int G, const __m512 acc[][MAX_GROUP], const uint16_t *bias,
+    uint16_t *y, int64_t N, int64_t n) {
+    float bias_f[TILE_ROWS];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) bias_f[r] = bias ? bf16_to_f32(bias[n + r]) : 0.0f;
+    uint16_t out[32];
+#pragma GCC unroll 2
+    for (int b = 0; b < (R * G + 15) / 16; b++) {
+        __m512 pack[16];
+        float bias_v[16];
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; j++) {
+            const int i = 16 * b + j;  /* i = t * R + r */
+            pack[j] = i < R * G ? acc[i % R][i / R] : _mm512_setzero_ps();
+            bias_v[j] = bias_f[i % R];
+        }
+        const __m512 sum = _mm512_add_ps(reduce_add16(pack), _mm512_loadu_ps(bias_v));
+        _mm256_storeu_si256((__m256i *)(out + 16 * b),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_bits(sum), 16)));
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < G; t++) __builtin_memcpy(y + t * N + n, out + t * R, R * 2);
+}
 
 /* R weight rows x G input rows, all K columns; results (+ bias) go to y[t * N + n]. The
  * R rows are read side by side and the hardware prefetcher alone falls behind on R short
@@ -54,7 +86,7 @@ int specmoe_gemv_isa(void) { return SPECMOE_ISA; }
 static inline __attribute__((always_inline)) void tile(
     const int R, const int G, const uint16_t *x, const uint16_t *w, const uint16_t *bias,
     uint16_t *y, int64_t K, int64_t N, int64_t n) {
-    __m512 acc[4][MAX_GROUP];
+    __m512 acc[TILE_ROWS][MAX_GROUP];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
@@ -63,7 +95,7 @@ static inline __attribute__((always_inline)) void tile(
     const int whole_next = R * K * 2 <= MAX_TILE_PREFETCH_BYTES;
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
-        __m512i wv[4];
+        __m512i wv[TILE_ROWS];
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             const int64_t kp = k + TILE_PREFETCH_ELEMS;
@@ -82,7 +114,7 @@ static inline __attribute__((always_inline)) void tile(
     }
     if (k < K) { /* tail: masked loads read zeros past K */
         __mmask32 m = (__mmask32)((1ull << (K - k)) - 1);
-        __m512i wv[4];
+        __m512i wv[TILE_ROWS];
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) wv[r] = _mm512_maskz_loadu_epi16(m, wr + r * K + k);
 #pragma GCC unroll 8
@@ -92,13 +124,7 @@ static inline __attribute__((always_inline)) void tile(
             for (int r = 0; r < R; r++) acc[r][t] = dot_pairs(acc[r][t], wv[r], xv);
         }
     }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; r++) {
-        float b = bias ? bf16_to_f32(bias[n + r]) : 0.0f;
-#pragma GCC unroll 8
-        for (int t = 0; t < G; t++)
-            y[t * N + n + r] = f32_to_bf16(_mm512_reduce_add_ps(acc[r][t]) + b);
-    }
+    store_tile(R, G, acc, bias, y, N, n);
 }
 
 /* Weight rows one after another, each with all G input rows, so a thread's range is one
@@ -135,15 +161,11 @@ static inline __attribute__((always_inline)) void rows_seq(
     }
 }
 
-/* Rows per tile for a group of G input rows: R * G accumulators stay in the 32 registers. */
-static inline int tile_rows(int G) { return G <= 6 ? 4 : 3; }
-
 #define CASE(R, G) case R * 16 + G: tile(R, G, x, w, bias, y, K, N, n); break
-#define CASES(R) CASE(R, 1); CASE(R, 2); CASE(R, 3); CASE(R, 4); CASE(R, 5); CASE(R, 6); \
-    CASE(R, 7); CASE(R, 8)
+#define CASES(R) CASE(R, 1); CASE(R, 2); CASE(R, 3); CASE(R, 4); CASE(R, 5); CASE(R, 6)
 static void run_tile(int R, int G, const uint16_t *x, const uint16_t *w, const uint16_t *bias,
                      uint16_t *y, int64_t K, int64_t N, int64_t n) {
-    switch (R * 16 + G) { CASES(1); CASES(3); CASES(4); }
+    switch (R * 16 + G) { CASES(1); CASES(4); }
 }
 #undef CASES
 #undef CASE
@@ -161,7 +183,7 @@ static void rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uin
     }
     const int64_t num_groups = (T + MAX_GROUP - 1) / MAX_GROUP;
     const int64_t G = (T + num_groups - 1) / num_groups; /* balanced, e.g. 9 -> 5 + 4 */
-    const int R = tile_rows((int)G);
+    const int R = TILE_ROWS;
     for (int64_t n = n0; n < n1;) {
         const int r = n + R <= n1 ? R : 1; /* single rows at the end of the range */
         for (int64_t t0 = 0; t0 < T; t0 += G) {
