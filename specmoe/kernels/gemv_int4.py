@@ -24,7 +24,7 @@ from specmoe.kernels import gemv
 from specmoe.kernels.build import LazyKernel, cpu_reason, load
 
 GROUP_SIZE = 32  # inputs per quantisation group: the only size the kernel takes
-MAX_ROWS = gemv.MAX_ROWS  # the most input rows the kernel takes (16)
+MAX_ROWS = 16  # the most input rows the kernel takes; more go to torch's int4 matmul
 _REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
 _X_DTYPES = (torch.bfloat16, torch.float32)
 

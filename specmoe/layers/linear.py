@@ -13,10 +13,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ weight^T (+ bias): x [..., in], weight [out, in], bias [out] -> [..., out].
 
-    Decode-sized bf16 inputs on CPU (at most `specmoe.kernels.MAX_ROWS` rows) take the native
-    kernel, which reads the weight once for all rows at close to memory bandwidth; everything
-    else, and the kernel switched off, takes the reference `F.linear`. Raises what
-    `F.linear` raises on mismatched shapes.
+    bf16 inputs on CPU take the native kernel (`specmoe.kernels.gemv`), which reads the
+    weight once for all rows at close to memory bandwidth when decoding and sums every row
+    in one order whatever the number of rows; everything else, and the kernel switched off,
+    takes the reference `F.linear`. Raises what `F.linear` raises on mismatched shapes.
     """
     y = try_linear_bf16(x, weight, bias)
     return F.linear(x, weight, bias) if y is None else y

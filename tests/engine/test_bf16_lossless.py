@@ -2,12 +2,10 @@
 speculative decoding gives plain decoding's tokens exactly.
 
 bf16 sums rounded in another order can flip a greedy near-tie, so this holds only because
-every op of a decode or verification forward is batch-invariant: the linear kernel (up to
-16 rows in a forward) and the attention kernel give a token the same bits whether it is
-decoded alone or verified with K drafts. Every run starts with an empty prefix cache: a
-prefix hit computes the prompt's tail with the decode kernels instead of the prefill matmul,
-which is not bit-identical (so bf16 outputs after a hit may differ; fp32 is exact either way,
-see test_smollm2_speculative.py).
+every op of every forward is batch-invariant: the linear kernel (any number of rows) and the
+attention kernel give a token the same bits whether it is decoded alone, verified with K
+drafts beside other requests' drafts, computed in a chunked prefill or after a prefix-cache
+hit. (fp32 is exact either way, see test_smollm2_speculative.py.)
 """
 
 from __future__ import annotations
@@ -57,3 +55,21 @@ def test_bf16_greedy_speculation_equals_plain(plain, prompts, speculative):
         assert out.token_ids == expected.token_ids, prompt
         accepted += out.spec_stats.num_accepted_tokens
     assert accepted > 0, "nothing was accepted: the test would prove nothing"
+
+
+def test_bf16_batches_chunks_and_prefix_hits_equal_plain_alone(plain, smollm2, prompts):
+    """The prompts decoded alone, against: all of them in one batch with draft K=7 (one
+    verification forward of up to 24 rows), the same again with their prompts in the prefix
+    cache, and plain decoding with prefills chunked by a 48-token budget beside decodes."""
+    expected = [_generate(plain, p).token_ids for p in prompts]
+    spec = plain.with_speculative({"method": "draft", "draft_model": "smollm2-135m",
+                                   "num_speculative_tokens": 7})
+    spec.reset_prefix_cache()
+    prefix = spec.engine.scheduler.kv_cache.block_pool.prefix_cache_stats
+    for run in ("cold", "prefix hits"):
+        hits = prefix.num_hit_tokens
+        outs = spec.generate(prompts, GREEDY)
+        assert [o.token_ids for o in outs] == expected, run
+    assert prefix.num_hit_tokens > hits, "the second run had no prefix-cache hit"
+    chunked = LLM(smollm2, dtype="bfloat16", scheduler={"max_num_batched_tokens": 48})
+    assert [o.token_ids for o in chunked.generate(prompts, GREEDY)] == expected

@@ -59,7 +59,7 @@ def test_kernel_matches_reference(enabled, k, n, bias):
     q, sz = _int4(k, n, seed=k + n)
     b = torch.randn(n) if bias else None
     weights = gemv_int4.Int4Weights(*gemv_int4.pack_int4(q, sz), b)
-    for t in range(1, kernels.MAX_ROWS + 1):
+    for t in range(1, gemv_int4.MAX_ROWS + 1):
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(t, k, generator=torch.Generator().manual_seed(t)).to(dtype)
             y = weights.linear(x)
@@ -135,7 +135,7 @@ def test_fallback_for_unsupported_inputs(enabled):
     cases = {
         "float16": x.half(),
         "float64": x.double(),
-        "too many rows": torch.randn(kernels.MAX_ROWS + 1, 64),
+        "too many rows": torch.randn(gemv_int4.MAX_ROWS + 1, 64),
         "no rows": x[:0],
         "non-contiguous x": torch.randn(64, 4).t(),
         "shape mismatch": x[:, :32].contiguous(),
@@ -171,7 +171,7 @@ def test_layer_uses_kernel_for_decode_and_torch_beyond(enabled):
     for t in (1, 5, 16, 17):
         x = torch.randn(t, 896)
         y = layer(x)
-        if t <= kernels.MAX_ROWS:
+        if t <= gemv_int4.MAX_ROWS:
             assert torch.equal(y, layer.cpu_kernel.linear(x))
         else:
             assert torch.equal(y, torch_path(x))
