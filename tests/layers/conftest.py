@@ -9,6 +9,7 @@ import torch
 import transformers
 
 from specmoe import kernels
+from specmoe.kernels.build import KernelBuildError
 
 
 @pytest.fixture(scope="session")
@@ -45,6 +46,20 @@ def _kernels_off():
         yield
     finally:
         kernels.set_enabled(was)
+
+
+def _load_fma_variant(load_kernel):
+    try:
+        return load_kernel(("-mno-avx512bf16",))
+    except KernelBuildError as exc:
+        pytest.skip(f"FMA variant not buildable: {exc}")
+
+
+@pytest.fixture
+def fma_variant():
+    """load_kernel -> that kernel built without AVX512-BF16 (its shift + FMA path), or the
+    test skipped where that build fails."""
+    return _load_fma_variant
 
 
 @pytest.fixture
