@@ -83,9 +83,10 @@ def test_decode_path_matches_reference_and_per_sequence(num_heads, num_kv_heads,
 @pytest.mark.parametrize("window", [None, 7])
 def test_native_decode_kernel_matches_torch_path(num_heads, num_kv_heads, head_dim, window,
                                                 kernels_off):
-    """bf16: the native kernel (chunks of 16 keys; queries across the lanes, in several lane
-    groups when G * rows > 16, or keys across the lanes when G * rows <= 8 and head_dim % 32
-    == 0: the shapes here take both) against the torch path and per-sequence fp32 attention, sliding window included."""
+    """bf16: the native kernel (chunks of 16 keys, query vectors in blocks of 16 and groups
+    of 4, head_dim 16 to 128) against the torch path and per-sequence fp32 attention, sliding
+    window included; its error (bf16 softmax weights in P V) within 1.5x the torch path's
+    (measured 1.2-1.35x)."""
     if not attention_kernel_available():
         pytest.skip("native attention kernel unavailable on this machine")
     shapes = SHAPES + [(130, 8), (31, 16), (15, 1)]
@@ -98,8 +99,12 @@ def test_native_decode_kernel_matches_torch_path(num_heads, num_kv_heads, head_d
     torch.testing.assert_close(out.float(), torch_path.float(), atol=2e-2, rtol=2e-2)
     expected = _per_sequence(seqs, q, hist, scale, window)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
-    # bf16 rounding of the same fp32 result: most elements agree exactly.
-    assert (out == torch_path).float().mean() > 0.9
+    # The kernel rounds the softmax weights to bf16 before P V (as FlashAttention does): its
+    # error against fp32 attention stays within a small factor of the torch path's, whose
+    # only error is the bf16 rounding of the output.
+    err = (out.float() - expected).abs().mean().item()
+    torch_err = (torch_path.float() - expected).abs().mean().item()
+    assert err < 1.5 * torch_err, (err, torch_err)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (12, 2, 128),
