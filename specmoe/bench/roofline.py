@@ -9,6 +9,8 @@ from torch import nn
 
 from specmoe.layers.embed_head import TiedProjection, VocabEmbedding
 
+PROBE_BYTES = 1 << 30  # a quick probe's buffer: 32x the last-level cache here
+
 
 def measure_read_bandwidth(num_bytes: int = 2 << 30, repeats: int = 5,
                            device: torch.device | str = "cpu") -> float:

@@ -17,13 +17,12 @@ from dataclasses import dataclass, field
 
 from rich.progress import Progress
 
-from specmoe.bench.roofline import measure_read_bandwidth, weight_bytes_per_token
+from specmoe.bench.roofline import PROBE_BYTES, measure_read_bandwidth, weight_bytes_per_token
 from specmoe.sampling_params import SamplingParams
 from specmoe.utils.data import load_prompts
 
 SPEC_BENCH_CATEGORIES = ["summarization", "rag", "translation", "qa", "math_reasoning"]
 PROPOSERS = ("draft", "ngram")
-PROBE_BYTES = 1 << 30  # the bandwidth probe's buffer: 32x the last-level cache here
 
 
 @dataclass

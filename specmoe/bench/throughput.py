@@ -275,6 +275,8 @@ def warm_up(engines: dict, prompts: list[dict]) -> None:
 def run_throughput_bench(cfg: ThroughputBenchConfig) -> dict:
     """Run everything `cfg` asks for; returns the JSON-ready results."""
     import torch
+
+    from specmoe.bench.roofline import PROBE_BYTES, measure_read_bandwidth
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
     t0 = time.perf_counter()
@@ -284,7 +286,12 @@ def run_throughput_bench(cfg: ThroughputBenchConfig) -> dict:
     load_s = time.perf_counter() - t0
     prompts = build_prompts(cfg, engines["plain"])
     warm_up(engines, prompts)
+    # the host's memory bandwidth drifts by tens of percent: C=1, bound by it, moves with
+    # it while large C, bound by compute, does not, so the scaling ratios shift with it
+    device = engines["plain"].target.device
+    env["read_bandwidth_start"] = measure_read_bandwidth(PROBE_BYTES, repeats=3, device=device)
     runs = run_sweep(cfg, engines, prompts)
+    env["read_bandwidth_end"] = measure_read_bandwidth(PROBE_BYTES, repeats=3, device=device)
     env["load_average_end"] = os.getloadavg()[0]
     rows = aggregate(runs)
     return {"config": dataclasses.asdict(cfg), "environment": env, "load_seconds": load_s,

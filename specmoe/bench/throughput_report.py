@@ -31,7 +31,8 @@ def markdown(results: dict) -> str:
              f"; max_num_batched_tokens "
              f"{cfg['max_num_batched_tokens']}; torch "
              f"threads {env['torch_num_threads']} of {env['cpu_count']} CPUs, load average "
-             f"{env['load_average_start']:.1f} -> {env['load_average_end']:.1f}; total "
+             f"{env['load_average_start']:.1f} -> {env['load_average_end']:.1f}; "
+             f"{_bandwidth(env)}total "
              f"{results['total_seconds'] / 60:.1f} min.", "",
              target_sentence(results["target"]), "",
              *[line for c in caveats(results) for line in (f"**Caveat**: {c}.", "")],
@@ -50,6 +51,14 @@ def markdown(results: dict) -> str:
         lines += ["", "## Errors", ""] + [f"- rep {r['rep']} C={r['concurrency']} "
                                           f"{r['mode']}: {r['error']}" for r in errors]
     return "\n".join(lines) + "\n"
+
+
+def _bandwidth(env: dict) -> str:
+    if "read_bandwidth_start" not in env:  # results from before the probe
+        return ""
+    return (f"memory read bandwidth {env['read_bandwidth_start'] / 1e9:.0f} -> "
+            f"{env['read_bandwidth_end'] / 1e9:.0f} GB/s (single requests are bound by it, "
+            "large batches by compute, so the scaling ratios move with it); ")
 
 
 def caveats(results: dict) -> list[str]:
