@@ -154,8 +154,8 @@ ALWAYS_INLINE void chunk_scores(__m512 *sc, Query *const *qv, const int g, const
 
 /* One query's online-softmax step over the chunk's scores (n keys at positions p0..):
  * returns its weights, rounded to bf16, as 16 bf16 (8 adjacent-key pairs), 0 outside the
- * mask; rescales the query's accumulator
- * when its running max rises. */
+ * mask (a chunk wholly outside it then adds exact zeros); rescales the query's accumulator
+ * and sums when its running max rises. */
 ALWAYS_INLINE __m256i softmax_step(Query *qv, __m512 sc, int n, int64_t p0, float scale,
                                    const int64_t hd) {
     const __m512i pos = _mm512_add_epi32(_mm512_set1_epi32((int32_t)p0),
