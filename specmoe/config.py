@@ -126,6 +126,11 @@ class SpeculativeConfig:
         prompt_lookup_max: largest n-gram matched; longer matches are tried first.
         draft_quantization: None, "int8" or "int4" for the draft model's weights (a draft
             reads all its weights for every token it drafts, so fewer bytes pay directly).
+        disable_by_batch_size: pause speculation for every request in a step while at least
+            this many requests are running (vLLM's speculative_disable_by_batch_size); None:
+            never. A large batch is bound by compute, where verifying K drafts per request
+            can cost more than it saves: `specmoe bench throughput` shows from which batch
+            size on for a model and machine.
     """
 
     method: str
@@ -134,6 +139,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     draft_quantization: str | None = None
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -149,6 +155,9 @@ class SpeculativeConfig:
                              f"prompt_lookup_max={self.prompt_lookup_max}: need "
                              "1 <= min <= max")
         _check_quantization("draft_quantization", self.draft_quantization)
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 2:
+            raise ValueError(f"invalid disable_by_batch_size={self.disable_by_batch_size}: "
+                             "must be >= 2 (or None: never pause speculation)")
 
 
 @dataclass

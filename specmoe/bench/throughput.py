@@ -41,6 +41,8 @@ class ThroughputBenchConfig:
         model: target model (path or alias).
         draft: "ngram" (prompt lookup), a draft model path/alias, or "none" (plain only).
         num_speculative_tokens: K of the speculative mode.
+        spec_disable_by_batch_size: the speculative mode pauses speculation while at least
+            this many requests run (`SpeculativeConfig.disable_by_batch_size`; None: never).
         concurrency: numbers of requests submitted at once, ascending; the first is the
             baseline of the scaling ratios (1 for the target line).
         max_tokens: tokens generated per request (EOS ignored).
@@ -61,6 +63,7 @@ class ThroughputBenchConfig:
     model: str = DEFAULT_MODEL
     draft: str = "ngram"
     num_speculative_tokens: int = 4
+    spec_disable_by_batch_size: int | None = None
     dtype: str = "float32"
     quantization: str | None = None
     draft_quantization: str | None = None
@@ -167,7 +170,8 @@ def build_engines(cfg: ThroughputBenchConfig) -> dict:
             "method": "draft", "draft_model": cfg.draft,
             "draft_quantization": cfg.draft_quantization}
         engines["spec"] = plain.with_speculative(
-            spec | {"num_speculative_tokens": cfg.num_speculative_tokens})
+            spec | {"num_speculative_tokens": cfg.num_speculative_tokens,
+                    "disable_by_batch_size": cfg.spec_disable_by_batch_size})
     return engines
 
 
@@ -371,7 +375,9 @@ def _row(concurrency: int, mode: str, runs: list[dict]) -> dict:
         "decode_only_tokens_per_s": sum(s[1] for s in decode) / decode_s
         if mode == "plain" and decode_s else None,
         "acceptance_rate": accepted / drafted if drafted else 0.0,
-        "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0}
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+        "spec_paused_step_share": statistics.fmean(
+            s.get("num_spec_paused_steps", 0) / max(1, s["num_steps"]) for s in stats)}
 
 
 def is_decode_step(step: list) -> bool:

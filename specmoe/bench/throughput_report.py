@@ -19,8 +19,10 @@ def write_report(results: dict, out_dir: Path) -> list[Path]:
 def markdown(results: dict) -> str:
     cfg, env = results["config"], results["environment"]
     spec = "n-gram" if cfg["draft"] == "ngram" else f"draft {cfg['draft']}"
+    pause = cfg.get("spec_disable_by_batch_size")
     title = f"# Throughput: {cfg['model']}, plain" + (
-        "" if cfg["draft"] == "none" else f" vs {spec} (K={cfg['num_speculative_tokens']})")
+        "" if cfg["draft"] == "none" else f" vs {spec} (K={cfg['num_speculative_tokens']}"
+        + (f", paused from {pause} running requests" if pause else "") + ")")
     lines = [title, "",
              f"{cfg['dtype']}, greedy, {cfg['max_tokens']} tokens per request (EOS ignored), "
              f"prompts from {', '.join(cfg['datasets'])} (chat template; lengths "
@@ -118,8 +120,9 @@ def throughput_table(results: dict) -> list[str]:
 def engine_table(rows: list[dict]) -> list[str]:
     out = ["| C | mode | steps | batch mean | batch max | preemptions | KV blocks peak | "
            "prefix-cache hits | prefill share of time | decode step median (ms) | "
-           "step max (ms) | decode-only tok/s | acceptance length | acceptance rate |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "step max (ms) | decode-only tok/s | acceptance length | acceptance rate | "
+           "speculation paused |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if not r["num_reps"]:
             continue
@@ -130,8 +133,15 @@ def engine_table(rows: list[dict]) -> list[str]:
                    f"{100 * r.get('prefill_time_share', 0.0):.0f}% | "
                    f"{1e3 * r.get('decode_step_seconds_median', float('nan')):.0f} | "
                    f"{1e3 * r['step_seconds_max']:.0f} | {_decode_only(r)} | "
-                   f"{r['mean_acceptance_length']:.2f} | {r['acceptance_rate']:.2f} |")
+                   f"{r['mean_acceptance_length']:.2f} | {r['acceptance_rate']:.2f} | "
+                   f"{_paused(r)} |")
     return out
+
+
+def _paused(row: dict) -> str:
+    """Share of steps after which speculation paused (disable_by_batch_size)."""
+    share = row.get("spec_paused_step_share", 0.0)
+    return f"{100 * share:.0f}% of steps" if row["mode"] != "plain" and share else ""
 
 
 def slowest_table(steps: list[dict]) -> list[str]:

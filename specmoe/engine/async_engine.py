@@ -82,6 +82,8 @@ class EngineSnapshot:
         num_preemptions: requests preempted since start.
         spec: speculation statistics of every finished request, merged.
         num_step_failures: steps that raised since start.
+        num_spec_paused_steps: steps after which speculation paused for the batch size
+            (`disable_by_batch_size`) since start.
     """
 
     num_running: int
@@ -93,6 +95,7 @@ class EngineSnapshot:
     num_preemptions: int
     spec: SpecDecodeStats
     num_step_failures: int
+    num_spec_paused_steps: int = 0
 
 
 @dataclass(slots=True)
@@ -435,7 +438,8 @@ class AsyncEngine:
             num_prefix_queries=pool.prefix_cache_stats.num_query_tokens,
             num_prefix_hits=pool.prefix_cache_stats.num_hit_tokens,
             num_preemptions=engine.stats.num_preemptions, spec=engine.stats.spec,
-            num_step_failures=self._num_step_failures))
+            num_step_failures=self._num_step_failures,
+            num_spec_paused_steps=engine.stats.num_spec_paused_steps))
 
     @staticmethod
     def _safe_observe(fn, arg) -> None:

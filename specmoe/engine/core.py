@@ -59,15 +59,18 @@ class EngineCore:
         num_kv_blocks: blocks of the target's paged KV cache.
         num_speculative_tokens: default K of requests that do not set their own (ignored
             without a proposer).
+        disable_by_batch_size: no request drafts after a step that leaves at least this many
+            requests running (None: no limit); see `SpeculativeConfig`.
     """
 
     def __init__(self, target: ModelRunner, proposer, processor: OutputProcessor,
                  scheduler_config: SchedulerConfig, num_kv_blocks: int,
-                 num_speculative_tokens: int) -> None:
+                 num_speculative_tokens: int, disable_by_batch_size: int | None = None) -> None:
         self.target = target
         self.proposer = proposer
         self.processor = processor
         self.default_k = num_speculative_tokens if proposer is not None else 0
+        self.disable_by_batch_size = disable_by_batch_size
         self.kv_cache = target.new_paged_cache(num_kv_blocks, scheduler_config.block_size)
         self.scheduler = Scheduler(scheduler_config, num_kv_blocks, target.max_model_len)
         self.stats = EngineStats()
@@ -134,7 +137,10 @@ class EngineCore:
             self.stats.spec.merge(req.spec_stats)
             req.metrics.decode_time_s = (time.perf_counter() - req.metrics.arrival_time
                                          - req.metrics.first_token_time_s)
-        self._propose([req for req in reqs if not req.is_finished])
+        if self._speculation_paused():
+            self.stats.num_spec_paused_steps += 1
+        else:
+            self._propose([req for req in reqs if not req.is_finished])
         self.stats.record_step(out.stats)
         return finished
 
@@ -164,6 +170,13 @@ class EngineCore:
         if probs is not None:
             probs = probs[:s.num_draft_tokens]  # the scheduler may have cut drafts
         return VerifyRow(logits, drafts, probs, req.params, self._generators[s.request_id])
+
+    def _speculation_paused(self) -> bool:
+        """Whether the batch is large enough to skip drafting (`disable_by_batch_size`);
+        the draft model catches up on the skipped tokens when drafting resumes."""
+        limit = self.disable_by_batch_size
+        return (self.proposer is not None and limit is not None
+                and len(self.scheduler.running) >= limit)
 
     def _propose(self, reqs: list[Request]) -> None:
         """Draft the next tokens of every request that speculates, in one batch."""

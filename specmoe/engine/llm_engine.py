@@ -87,7 +87,8 @@ class LLM:
             sched.block_size)
         k = speculative.num_speculative_tokens if speculative else 0
         self.engine = EngineCore(self.target, self.proposer, self.processor, sched,
-                                 num_blocks, k)
+                                 num_blocks, k, speculative.disable_by_batch_size
+                                 if speculative else None)
 
     @property
     def max_model_len(self) -> int:

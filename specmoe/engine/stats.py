@@ -43,6 +43,8 @@ class EngineStats:
         num_preemptions: requests preempted.
         max_kv_blocks_used: peak target KV cache blocks in use.
         spec: speculation statistics of every finished request, merged.
+        num_spec_paused_steps: steps after which no request drafted because the batch held
+            at least `disable_by_batch_size` requests.
         last_step: the most recent step's counters.
     """
 
@@ -53,6 +55,7 @@ class EngineStats:
     num_preemptions: int = 0
     max_kv_blocks_used: int = 0
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    num_spec_paused_steps: int = 0
     last_step: StepStats | None = None
 
     def record_step(self, step: StepStats) -> None:
@@ -78,6 +81,7 @@ class EngineStats:
             "num_preemptions": self.num_preemptions,
             "max_kv_blocks_used": self.max_kv_blocks_used,
             "spec_decode": self.spec.to_dict(),
+            "num_spec_paused_steps": self.num_spec_paused_steps,
             "last_step": asdict(self.last_step) if self.last_step else None,
         }
         if prefix_cache_hit_rate is not None:

@@ -51,6 +51,10 @@ def add_spec_args(p: argparse.ArgumentParser, default_draft: str | None = None) 
     p.add_argument("--draft-quantization", default=None, choices=["int8", "int4"],
                    help="weight-only quantisation of the draft model (int4: ~3x cheaper "
                         "drafting on CPU)")
+    p.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
+                   help="pause speculation while at least this many requests run (large "
+                        "batches are compute-bound; `specmoe bench throughput` shows where "
+                        "speculation stops paying)")
 
 
 def speculative_from_args(args) -> dict | None:
@@ -59,7 +63,8 @@ def speculative_from_args(args) -> dict | None:
     spec = {"num_speculative_tokens": args.num_speculative_tokens,
             "prompt_lookup_min": args.prompt_lookup_min,
             "prompt_lookup_max": args.prompt_lookup_max,
-            "draft_quantization": args.draft_quantization}
+            "draft_quantization": args.draft_quantization,
+            "disable_by_batch_size": args.speculative_disable_by_batch_size}
     if args.draft == "ngram":
         return {"method": "ngram", **spec}
     return {"method": "draft", "draft_model": args.draft, **spec}
@@ -195,6 +200,9 @@ def add_bench_throughput_parser(bench) -> None:
     tp.add_argument("--draft", default=d.draft,
                     help="'ngram', a draft model path/alias, or 'none' (plain only)")
     tp.add_argument("--num-speculative-tokens", "-k", type=int, default=d.num_speculative_tokens)
+    tp.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
+                    help="the speculative mode pauses speculation while at least this many "
+                         "requests run (default: never)")
     tp.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
     tp.add_argument("--quantization", default=None, choices=["int8", "int4"])
     tp.add_argument("--draft-quantization", default=None, choices=["int8", "int4"])
@@ -282,6 +290,7 @@ def cmd_bench_throughput(args) -> None:
     from specmoe.bench.throughput_report import caveats, target_sentence, write_report
     cfg = ThroughputBenchConfig(
         model=args.model, draft=args.draft, num_speculative_tokens=args.num_speculative_tokens,
+        spec_disable_by_batch_size=args.speculative_disable_by_batch_size,
         dtype=args.dtype, quantization=args.quantization,
         draft_quantization=args.draft_quantization,
         concurrency=args.concurrency,

@@ -88,6 +88,7 @@ def test_single_stop_string_is_wrapped_in_a_list():
     ({"method": "ngram", "prompt_lookup_min": 0}, "prompt_lookup_min"),
     ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup"),
     ({"method": "draft"}, "draft_model"),
+    ({"method": "ngram", "disable_by_batch_size": 1}, "disable_by_batch_size"),
 ])
 def test_bad_speculative_config_names_the_field(spec, field):
     with pytest.raises(ValueError, match=field):

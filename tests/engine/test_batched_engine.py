@@ -3,6 +3,8 @@
 - Batch invariance: each prompt's greedy output is the same run alone, in a batch of 16 of mixed
   lengths (one prefilled in chunks), with n-gram or draft-model speculation, and with K
   differing per request (0 turns it off), and under preemption.
+- Speculation paused from a batch size on (disable_by_batch_size): no drafts while the batch
+  is that large, drafts again when it shrinks, outputs unchanged.
 - Seed isolation: a seeded sampled request gives the same output alone or beside others.
 - Prefix caching: hits give the same output as misses.
 - No leak: after every scenario (EOS, stop string, max_tokens, preemption, abort) the KV cache
@@ -11,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -96,6 +99,33 @@ def test_speculative_batch_with_per_request_k_equals_alone(request, proposer, pr
     for o, p in zip(outs, params):
         if p.num_speculative_tokens == 0:
             assert o.spec_stats.num_drafts == 0  # K = 0 turns speculation off for it alone
+    _assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_speculation_pauses_at_the_batch_size_limit_and_stays_lossless(request, proposer,
+                                                                      prompts, alone):
+    """disable_by_batch_size=4: after a step that leaves 4 or more requests running, the next
+    step verifies no drafts; as requests finish (max_tokens 8-23) drafting resumes (the
+    draft model catching up on the tokens it skipped) and every output equals the plain one."""
+    base = request.getfixturevalue(proposer)
+    llm = base.with_speculative(dataclasses.replace(base.config.speculative,
+                                                    disable_by_batch_size=4))
+    core, trace = llm.engine, []  # (requests running after the step, its draft tokens)
+    step = core.step
+
+    def traced():
+        finished = step()
+        trace.append((len(core.scheduler.running), core.stats.last_step.num_draft_tokens))
+        return finished
+
+    core.step = traced
+    outs = llm.generate(prompts, [_greedy(i) for i in range(len(prompts))])
+    assert [o.token_ids for o in outs] == alone
+    assert all(drafts == 0 for (running, _), (_, drafts) in zip(trace, trace[1:])
+               if running >= 4)
+    assert core.stats.num_spec_paused_steps == sum(running >= 4 for running, _ in trace)
+    assert any(drafts for _, drafts in trace)  # drafting resumed for the last requests
     _assert_no_leak(llm)
 
 

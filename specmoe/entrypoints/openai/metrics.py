@@ -7,7 +7,9 @@ Counters (exposed with a `_total` suffix): specmoe:prefix_cache_queries / _hits 
 specmoe:num_preemptions, specmoe:prompt_tokens, specmoe:generation_tokens,
 specmoe:request_success{finished_reason}, specmoe:spec_decode_num_drafts,
 specmoe:spec_decode_num_draft_tokens, specmoe:spec_decode_num_accepted_tokens,
-specmoe:spec_decode_num_accepted_tokens_per_pos{position}, specmoe:engine_step_failures,
+specmoe:spec_decode_num_accepted_tokens_per_pos{position},
+specmoe:spec_decode_num_paused_steps (steps after which speculation paused for the batch
+size), specmoe:engine_step_failures,
 specmoe:http_responses{status} and, for MoE targets, specmoe:moe_expert_load{layer,expert}
 (tokens routed to each expert). Histograms (seconds): specmoe:time_to_first_token_seconds,
 specmoe:time_per_output_token_seconds, specmoe:e2e_request_latency_seconds. Plus the standard
@@ -99,6 +101,8 @@ class ServerMetrics(NullEngineObserver):
         self.num_accepted = c("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.accepted_per_pos = c("spec_decode_num_accepted_tokens_per_pos",
                                   "Draft tokens accepted at each draft position.", ["position"])
+        self.paused_steps = c("spec_decode_num_paused_steps", "Steps after which no request "
+                              "drafted: at least disable_by_batch_size requests running.")
         self.step_failures = c("engine_step_failures", "Engine steps that raised.")
         self.http_responses = Counter(P + "http_responses",
                                       "HTTP responses of /v1 routes by status code.",
@@ -113,7 +117,8 @@ class ServerMetrics(NullEngineObserver):
         for metric in (self.running, self.waiting, self.in_flight, self.kv_usage, self.kv_used,
                        self.kv_total, self.prefix_queries, self.prefix_hits, self.preemptions,
                        self.prompt_tokens, self.generation_tokens, self.num_drafts,
-                       self.num_draft_tokens, self.num_accepted, self.step_failures, self.ttft,
+                       self.num_draft_tokens, self.num_accepted, self.paused_steps,
+                       self.step_failures, self.ttft,
                        self.tpot, self.e2e):
             metric.labels(model_name)  # every series is exposed from the start, at 0
 
@@ -153,6 +158,7 @@ class ServerMetrics(NullEngineObserver):
         self._inc(self.num_drafts, spec.num_drafts, prev and prev.num_drafts)
         self._inc(self.num_draft_tokens, spec.num_draft_tokens, prev and prev.num_draft_tokens)
         self._inc(self.num_accepted, spec.num_accepted_tokens, prev and prev.num_accepted_tokens)
+        self._inc(self.paused_steps, s.num_spec_paused_steps, last and last.num_spec_paused_steps)
         per_pos = spec.num_accepted_per_position
         for pos, n in enumerate(per_pos):
             before = self._last_per_pos[pos] if pos < len(self._last_per_pos) else 0
