@@ -93,8 +93,8 @@ ALWAYS_INLINE void transpose16(__m512i *r) {
         r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
         r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
     }
-    /* r[4a + b] now holds, in 128-bit lane L, elements 4L .. 4L+3 of column b of rows
-     * 4a .. 4a+3 grouped by 4: combine 128-bit lanes across a */
+    /* r[4a + b] now holds, in 128-bit lane L, column 4L + b of rows 4a .. 4a+3: row 4L + b
+     * of the result is lane L of r[b], r[4 + b], r[8 + b] and r[12 + b] */
     for (int b = 0; b < 4; b++) {
         __m512i x0 = _mm512_shuffle_i32x4(r[b], r[4 + b], 0x88);
         __m512i x1 = _mm512_shuffle_i32x4(r[b], r[4 + b], 0xDD);
