@@ -79,12 +79,13 @@ def test_decode_path_matches_reference_and_per_sequence(num_heads, num_kv_heads,
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 16), (12, 2, 128),
                                                              (16, 1, 64), (32, 8, 128),
-                                                             (9, 3, 64), (14, 2, 64)])
+                                                             (9, 3, 64), (14, 2, 64),
+                                                             (10, 2, 80), (8, 8, 96)])
 @pytest.mark.parametrize("window", [None, 7])
 def test_native_decode_kernel_matches_torch_path(num_heads, num_kv_heads, head_dim, window,
                                                 kernels_off):
     """bf16: the native kernel (chunks of 16 keys, query vectors in blocks of 16 and groups
-    of 4, head_dim 16 to 128) against the torch path and per-sequence fp32 attention, sliding
+    of 4, head_dim 16 to 128, odd multiples of 16 included) against the torch path and per-sequence fp32 attention, sliding
     window included; its error (bf16 softmax weights in P V) within 1.5x the torch path's
     (measured 1.2-1.35x)."""
     if not attention_kernel_available():
