@@ -127,10 +127,11 @@ class SpeculativeConfig:
         draft_quantization: None, "int8" or "int4" for the draft model's weights (a draft
             reads all its weights for every token it drafts, so fewer bytes pay directly).
         disable_by_batch_size: pause speculation for every request in a step while at least
-            this many requests are running (vLLM's speculative_disable_by_batch_size); None:
-            never. A large batch is bound by compute, where verifying K drafts per request
-            can cost more than it saves: `specmoe bench throughput` shows from which batch
-            size on for a model and machine.
+            this many requests are running, requests that set their own K included (vLLM's
+            speculative_disable_by_batch_size); None: never. Has no effect above the
+            scheduler's max_num_seqs. A large batch is bound by compute, where verifying K
+            drafts per request can cost more than it saves: `specmoe bench throughput` shows
+            from which batch size on for a model and machine.
     """
 
     method: str

@@ -43,8 +43,9 @@ class EngineStats:
         num_preemptions: requests preempted.
         max_kv_blocks_used: peak target KV cache blocks in use.
         spec: speculation statistics of every finished request, merged.
-        num_spec_paused_steps: steps after which no request drafted because the batch held
-            at least `disable_by_batch_size` requests.
+        num_spec_paused_steps: steps after which drafting was skipped because at least
+            `disable_by_batch_size` requests were running (counted whether or not any of them
+            would have drafted).
         last_step: the most recent step's counters.
     """
 

@@ -21,8 +21,10 @@
  * P + r - window < p <= P + r (window 0: no lower bound). Chunks start at multiples of 16,
  * masked keys add exact zeros and every query vector's sums run in the same order whichever
  * group of 4 it is scored in, so a row's result has the same bits whatever other rows and
- * sequences share the call (batch invariance, as in gemv_bf16.c). Units run longest first
- * (dynamic OpenMP schedule), so the threads finish together.
+ * sequences share the call (batch invariance, as in gemv_bf16.c). That assumes finite keys
+ * and values: a non-finite value row makes 0 * v a NaN for every row of its unit, as a model
+ * that overflowed would anyway. Units run longest first (dynamic OpenMP schedule), so the
+ * threads finish together.
  *
  * Measured on 2 Zen 5 cores against the previous form of this kernel (horizontal sums per
  * score, fp32 P V): prefill of 660-769-token prompts 1.75x, verification of 5 rows x 16
@@ -54,7 +56,7 @@
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 typedef struct {
-    int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks, window;
+    int64_t num_heads, num_kv_heads, head_dim, block_size, window;
     float scale;
 } Shape;
 
@@ -72,6 +74,9 @@ typedef struct {
     __m512i kt[MAX_PAIRS];                   /* lane j of kt[i]: pair i of key j */
     __m512i vp[CHUNK / 2][MAX_HEAD_DIM / 16]; /* key pair jp: values of keys 2jp, 2jp+1 interleaved */
 } Chunk;
+
+/* aligned_alloc needs sizes that are multiples of the alignment */
+_Static_assert(sizeof(Query) % 64 == 0 && sizeof(Chunk) % 64 == 0, "64-byte multiples");
 
 /* 32 bf16 from p, the last pair-vector of a head_dim that is an odd multiple of 16 half
  * filled (zeros add nothing to a dot product). */
@@ -388,7 +393,7 @@ int specmoe_attention_bf16(const uint16_t *q, const uint16_t *k_cache,
                                   int64_t num_seqs, int64_t max_blocks, int64_t block_size,
                                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                   int64_t window, float scale, int num_threads) {
-    Shape s = {num_heads, num_kv_heads, head_dim, block_size, max_blocks, window, scale};
+    Shape s = {num_heads, num_kv_heads, head_dim, block_size, window, scale};
     if (head_dim % 16 || head_dim > MAX_HEAD_DIM || num_kv_heads < 1 || num_heads % num_kv_heads)
         return -1;
     for (int64_t i = 0; i < num_seqs; i++)
@@ -400,10 +405,20 @@ int specmoe_attention_bf16(const uint16_t *q, const uint16_t *k_cache,
     if (!units) return -1;
     if (num_threads > num_units) num_threads = (int)num_units;
     if (num_threads < 1) num_threads = 1;
+    /* each thread's query states and chunk buffer, allocated up front so that running out
+     * of memory returns -1 */
+    Query *qs_all = aligned_alloc(64, sizeof(Query) * VECTOR_BLOCK * num_threads);
+    Chunk *ch_all = aligned_alloc(64, sizeof(Chunk) * num_threads);
+    if (!qs_all || !ch_all) {
+        free(qs_all);
+        free(ch_all);
+        free(units);
+        return -1;
+    }
 #pragma omp parallel num_threads(num_threads)
     {
-        Query *qs = aligned_alloc(64, sizeof(Query) * VECTOR_BLOCK);
-        Chunk *ch = aligned_alloc(64, sizeof(Chunk));
+        Query *qs = qs_all + VECTOR_BLOCK * omp_get_thread_num();
+        Chunk *ch = ch_all + omp_get_thread_num();
 #pragma omp for schedule(dynamic, 1)
         for (int64_t k = 0; k < num_units; k++) {
             const int64_t i = units[k].seq;
@@ -413,9 +428,9 @@ int specmoe_attention_bf16(const uint16_t *q, const uint16_t *k_cache,
                      nv < VECTOR_BLOCK ? nv : VECTOR_BLOCK, start_pos[i],
                      block_tables + i * max_blocks, kvh);
         }
-        free(qs);
-        free(ch);
     }
+    free(qs_all);
+    free(ch_all);
     free(units);
     return 0;
 }

@@ -18,23 +18,23 @@ SHAPES = [(0, 1), (3, 1), (17, 5), (40, 1), (9, 16), (25, 3), (70, 2)]
 
 
 def _setup(num_heads: int, num_kv_heads: int, dtype: torch.dtype, seed: int = 0,
-           head_dim: int = 8, shapes=SHAPES):
+           head_dim: int = 8, shapes=SHAPES, block_size: int = BLOCK_SIZE):
     """Sequences (start_pos, num_tokens) of mixed context and query lengths in shuffled
     blocks of one cache, their queries and a full key/value history per sequence."""
     g = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-(start + n) // BLOCK_SIZE) for start, n in shapes)
+    num_blocks = sum(-(-(start + n) // block_size) for start, n in shapes)
     perm = torch.randperm(num_blocks, generator=g).tolist()
     seqs, hist = [], []
-    k_cache = torch.zeros(num_blocks * BLOCK_SIZE, num_kv_heads, head_dim, dtype=dtype)
+    k_cache = torch.zeros(num_blocks * block_size, num_kv_heads, head_dim, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     for start, n in shapes:
-        num = -(-(start + n) // BLOCK_SIZE)
+        num = -(-(start + n) // block_size)
         blocks, perm = perm[:num], perm[num:]
         seqs.append(SequenceSlice(start, n, blocks))
         k = torch.randn(start + n, num_kv_heads, head_dim, generator=g).to(dtype)
         v = torch.randn(start + n, num_kv_heads, head_dim, generator=g).to(dtype)
         for pos in range(start + n):
-            slot = blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+            slot = blocks[pos // block_size] * block_size + pos % block_size
             k_cache[slot], v_cache[slot] = k[pos], v[pos]
         hist.append((k, v))
     num_tokens = sum(n for _, n in shapes)
@@ -80,20 +80,24 @@ def test_decode_path_matches_reference_and_per_sequence(num_heads, num_kv_heads,
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 16), (12, 2, 128),
                                                              (16, 1, 64), (32, 8, 128),
                                                              (9, 3, 64), (14, 2, 64),
-                                                             (10, 2, 80), (8, 8, 96)])
+                                                             (10, 2, 80), (8, 8, 96),
+                                                             (6, 2, 176), (4, 1, 256)])
 @pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("block_size", [BLOCK_SIZE, 16])
 def test_native_decode_kernel_matches_torch_path(num_heads, num_kv_heads, head_dim, window,
-                                                kernels_off):
+                                                block_size, kernels_off):
     """bf16: the native kernel (chunks of 16 keys, query vectors in blocks of 16 and groups
-    of 4, head_dim 16 to 128, odd multiples of 16 included) against the torch path and per-sequence fp32 attention, sliding
-    window included; its error (bf16 softmax weights in P V) within 1.5x the torch path's
-    (measured 1.2-1.35x)."""
+    of 4, head_dim 16 to 256, odd multiples of 16 included; blocks of 4 slots and of 16,
+    whose chunks each lie in one block) against the torch path and per-sequence fp32
+    attention, sliding window included; its error (bf16 softmax weights in P V) within 1.5x
+    the torch path's (measured 1.2-1.35x)."""
     if not attention_kernel_available():
         pytest.skip("native attention kernel unavailable on this machine")
     shapes = SHAPES + [(130, 8), (31, 16), (15, 1)]
-    seqs, q, cache, hist = _setup(num_heads, num_kv_heads, torch.bfloat16, 3, head_dim, shapes)
+    seqs, q, cache, hist = _setup(num_heads, num_kv_heads, torch.bfloat16, 3, head_dim, shapes,
+                                  block_size)
     scale = head_dim ** -0.5
-    meta = AttentionMetadata.build(seqs, BLOCK_SIZE, "cpu", sliding_window=window)
+    meta = AttentionMetadata.build(seqs, block_size, "cpu", sliding_window=window)
     out = paged_attention(q, cache, meta, scale)
     with kernels_off():
         torch_path = paged_attention(q, cache, meta, scale)
@@ -134,21 +138,27 @@ def test_native_kernel_attends_prefill_and_decode_rows_in_one_call(num_heads, nu
 
 
 @pytest.mark.parametrize("window", [None, 37])
-def test_native_kernel_rows_are_batch_invariant_bit_for_bit(window):
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(12, 2, 128, BLOCK_SIZE),
+                                                                        (9, 3, 80, 16)])
+def test_native_kernel_rows_are_batch_invariant_bit_for_bit(window, num_heads, num_kv_heads,
+                                                            head_dim, block_size):
     """Each query row's output has the same bits computed with the other rows and sequences
     of a forward as alone (decode at its own position): verification of K + 1 rows gives a
-    token what plain decoding gives it."""
+    token what plain decoding gives it. Compared as int16 bit patterns (torch.equal would
+    take -0 for +0)."""
     if not attention_kernel_available():
         pytest.skip("native attention kernel unavailable on this machine")
     shapes = [(0, 20), (117, 5), (140, 1), (91, 16), (3, 9), (200, 16)]
-    seqs, q, cache, _ = _setup(12, 2, torch.bfloat16, 5, 128, shapes)
+    seqs, q, cache, _ = _setup(num_heads, num_kv_heads, torch.bfloat16, 5, head_dim, shapes,
+                               block_size)
+    scale = head_dim ** -0.5
     together = paged_attention(q, cache, AttentionMetadata.build(
-        seqs, BLOCK_SIZE, "cpu", sliding_window=window), 128 ** -0.5)
+        seqs, block_size, "cpu", sliding_window=window), scale)
     row = 0
     for s in seqs:
         for r in range(s.num_tokens):
             alone = paged_attention(q[row:row + 1], cache, AttentionMetadata.build(
-                [SequenceSlice(s.start_pos + r, 1, s.block_ids)], BLOCK_SIZE, "cpu",
-                sliding_window=window), 128 ** -0.5)
-            assert torch.equal(alone[0], together[row]), (s, r)
+                [SequenceSlice(s.start_pos + r, 1, s.block_ids)], block_size, "cpu",
+                sliding_window=window), scale)
+            assert torch.equal(alone[0].view(torch.int16), together[row].view(torch.int16)), (s, r)
             row += 1
