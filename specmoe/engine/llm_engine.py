@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import logging
 import random
 from collections.abc import Callable, Sequence
 
@@ -22,6 +23,8 @@ from specmoe.worker.kv_cache import PagedKVCache
 from specmoe.worker.model_runner import ModelRunner
 
 PromptType = str | list[int]
+
+logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -80,6 +83,13 @@ class LLM:
 
     def _attach_proposer(self, speculative: SpeculativeConfig | None) -> None:
         self.config = dataclasses.replace(self.config, speculative=speculative)
+        quantization = self.config.model.quantization
+        if speculative is not None and quantization is not None:
+            logger.warning(
+                "speculative decoding on a %s target: its kernels are not guaranteed to sum "
+                "a token's outputs in one order at every number of rows, so greedy outputs "
+                "may differ from plain decoding at near-ties (bfloat16 and float32 targets "
+                "give identical tokens)", quantization)
         sched = self.config.scheduler
         num_blocks = _num_kv_blocks(sched, self.target)
         self.proposer = None if speculative is None else build_proposer(

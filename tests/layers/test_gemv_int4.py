@@ -215,3 +215,15 @@ def test_int4_model_same_greedy_tokens_kernel_on_and_off(enabled, tiny_dir, monk
         logits[is_on] = runner.forward(cache, [21]).float()  # decode: 1 row
     tol = 2e-2 if dtype == "bfloat16" else 1e-2
     torch.testing.assert_close(logits[True], logits[False], atol=tol, rtol=tol)
+
+
+def test_speculation_on_a_quantised_target_warns_that_it_may_not_be_lossless(tiny_dir, caplog):
+    """The int4 kernel is not batch-invariant, so speculation on an int4 target can change a
+    greedy near-tie: LLM says so when both are asked for, and only then."""
+    from specmoe import LLM
+    with caplog.at_level("WARNING", logger="specmoe.engine.llm_engine"):
+        llm = LLM(tiny_dir, quantization="int4")
+        assert not caplog.records
+        llm.with_speculative({"method": "ngram"})
+    assert len(caplog.records) == 1
+    assert "int4 target" in caplog.records[0].getMessage()
