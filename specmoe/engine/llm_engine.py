@@ -86,10 +86,11 @@ class LLM:
         quantization = self.config.model.quantization
         if speculative is not None and quantization is not None:
             logger.warning(
-                "speculative decoding on a %s target: its kernels are not guaranteed to sum "
-                "a token's outputs in one order at every number of rows, so greedy outputs "
-                "may differ from plain decoding at near-ties (bfloat16 and float32 targets "
-                "give identical tokens)", quantization)
+                "speculative decoding on a target quantised to %s: %s, so greedy outputs may differ from "
+                "plain decoding at near-ties (bfloat16 and float32 targets give identical "
+                "tokens)", quantization, "its kernel sums a token's outputs in one order "
+                "only up to 16 rows per forward (one request with K <= 15)"
+                if quantization == "int4" else "its kernel (torch's) is not batch-invariant")
         sched = self.config.scheduler
         num_blocks = _num_kv_blocks(sched, self.target)
         self.proposer = None if speculative is None else build_proposer(

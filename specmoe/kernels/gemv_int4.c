@@ -28,10 +28,21 @@
  * The zero terms are one vector dot of (z - 136 s) with X per weight row; the per-row
  * vectors are summed 16 rows at a time by a permute tree and stored as one vector.
  *
- * One row of x walks the weight rows one after another (one stream for the prefetchers,
- * helped by software prefetch of all three arrays); more rows take weight rows in pairs so
- * each load of x serves two. When x exceeds 32 KB (K = 4864 from 4 rows), K is walked in
- * chunks whose x stays in L1, 16 weight rows at a time. Each OpenMP thread takes one
+ * The weight rows are walked one after another (one stream for the prefetchers, helped by
+ * software prefetch of all three arrays), each with up to 8 rows of x. When x exceeds 32 KB
+ * (K = 4864 from 4 rows), K is walked in chunks whose x stays in L1, 16 weight rows at a
+ * time.
+ *
+ * Batch invariance: each output sums its blocks in one order whatever T, its row's place
+ * in x, the K chunks and the thread count (even blocks into one accumulator, odd ones into
+ * another, the zero terms onto the odd one, then their sum and the same 16-lane tree), so
+ * up to 16 rows of speculative verification give each token the bits of decoding it alone:
+ * greedy speculation on an int4 target is lossless while forwards have at most 16 rows
+ * (beyond, torch's int4 kernel runs, in its own order). Weight rows taken in pairs for
+ * several rows of x saved loads of x but needed a single accumulator to fit the registers,
+ * another order. One row at a time against pairs (bench_int4.py, same session): 1 row the
+ * same, 4-9 rows from 10% slower to 9% faster by matrix, 16 rows 10-22% faster (the
+ * 4864-column down projection 9% slower). Each OpenMP thread takes one
  * contiguous range of output rows; small matrices run on one thread, with no parallel
  * region. Without AVX512-BF16 the bf16 pairs are widened by shifts and multiplied with FMA,
  * as in gemv_bf16.c.
@@ -67,7 +78,7 @@
 #define MIN_BYTES_PER_THREAD (64 << 10) /* less weight per thread runs on fewer threads */
 #define BLOCK_BYTES (16 << 10) /* T > 8: rows per block, re-read from cache by the 2nd group */
 /* x beyond ~16 KB is evicted from L1 by the weight stream and read again from L2 for each
- * weight row (tiles of two rows halve that). Measured: up to 32 KB that costs less than
+ * weight row. Measured: up to 32 KB that costs less than
  * walking K in chunks of CHUNK_X_BYTES of x for 16 rows at a time; beyond, more. */
 #define MAX_UNCHUNKED_X_BYTES (32 << 10)
 #define CHUNK_X_BYTES (16 << 10)
@@ -223,9 +234,9 @@ static inline __attribute__((always_inline)) void prefetch(
 }
 
 /* One block of 4 groups (g..g+3, the first ng of them) of R weight rows (wr, sr: the first
- * row's) x G input rows into acc[r][t]. Each row's weights are unpacked once; for each
- * input row, x is loaded once per vector and used for all R rows (R = 2 halves the loads of
- * x), the four dots go into one vector (two chains, for latency), scaled once. The weight
+ * row's) x G input rows into acc[r][t] (callers use R = 1). Each row's weights are unpacked
+ * once; for each input row, x is loaded once per vector and used for all R rows, the four
+ * dots go into one vector (two chains, for latency), scaled once. The weight
  * streams are prefetched pf_w bytes ahead (scales and zeros pf_sz), into L1 (far = 0) or
  * L2 (far = 1). */
 static inline __attribute__((always_inline)) void block_step(
@@ -276,10 +287,10 @@ struct call {
 };
 
 /* acc += groups [g0, g1) (g0 a multiple of 8) of R weight rows (n..n+R-1) x G input rows
- * (t0..t0+G-1). With U = 2, blocks alternate between acc[0] and acc[1] (hides FMA latency
- * at few rows). */
+ * (t0..t0+G-1), blocks alternating between acc[0] and acc[1] (hides the FMA latency): the
+ * same blocks in the same accumulators whatever splits K, so every caller sums alike. */
 static inline __attribute__((always_inline)) void accumulate(
-    const int R, const int G, const int U, const int far, const struct call *c, int64_t t0,
+    const int R, const int G, const int far, const struct call *c, int64_t t0,
     int64_t n, int64_t g0, int64_t g1, __m512 acc[2][2][MAX_GROUP], int64_t pf_w,
     int64_t pf_sz) {
     const int64_t xstride = c->T * BLOCK_ELEMS, w_stride = c->w_stride, sz_stride = c->sz_stride;
@@ -290,7 +301,7 @@ static inline __attribute__((always_inline)) void accumulate(
     for (; g + 8 <= g1; g += 8) {
         block_step(R, G, far, acc[0], wr, sr, zr, xp + (g / 4) * xstride, w_stride, sz_stride,
                    pf_w, pf_sz, g, 4);
-        block_step(R, G, far, acc[U - 1], wr, sr, zr, xp + (g / 4 + 1) * xstride, w_stride,
+        block_step(R, G, far, acc[1], wr, sr, zr, xp + (g / 4 + 1) * xstride, w_stride,
                    sz_stride, pf_w, pf_sz, g + 4, 4);
     }
     if (g + 4 <= g1) {
@@ -299,7 +310,7 @@ static inline __attribute__((always_inline)) void accumulate(
         g += 4;
     }
     if (g < g1)
-        block_step(R, G, far, acc[U - 1], wr, sr, zr, xp + (g / 4) * xstride, w_stride,
+        block_step(R, G, far, acc[1], wr, sr, zr, xp + (g / 4) * xstride, w_stride,
                    sz_stride, pf_w, pf_sz, g, (int)(g1 - g));
 }
 
@@ -376,30 +387,20 @@ static inline __attribute__((always_inline)) void store_rows(
     }
 }
 
-/* Rows [n0, n1) x input rows t0..t0+G-1, x small enough for L1: tiles of R rows (single
- * rows at the end), each over all of K, the weight streams prefetched PREFETCH_BYTES ahead
- * into L1; sums stored 16 rows at a time. */
-static inline __attribute__((always_inline)) void tiles(const int R, const int G,
-                                                        const struct call *c, int64_t t0,
-                                                        int64_t n0, int64_t n1) {
-    const int U = R * G <= 2 ? 2 : 1, NG = c->K / GROUP;
+/* Rows [n0, n1) x input rows t0..t0+G-1, x small enough for L1: one weight row at a time,
+ * each over all of K, the weight streams prefetched PREFETCH_BYTES ahead into L1; sums
+ * stored 16 rows at a time. */
+static inline __attribute__((always_inline)) void tiles(const int G, const struct call *c,
+                                                        int64_t t0, int64_t n0, int64_t n1) {
+    const int NG = c->K / GROUP;
     __m512 sums[MAX_GROUP][16], acc[2][2][MAX_GROUP];
     int m = 0;
-    for (int64_t n = n0; n < n1;) {
-        const int r = n + R <= n1 ? R : 1;
-        if (r == R) {
-            zero_acc(R, G, acc);
-            accumulate(R, G, U, 0, c, t0, n, 0, NG, acc, PREFETCH_BYTES, PREFETCH_BYTES / 8);
-            finish(R, G, c, t0, n, acc, sums, m);
-        } else {
-            zero_acc(1, G, acc);
-            accumulate(1, G, 2, 0, c, t0, n, 0, NG, acc, PREFETCH_BYTES, PREFETCH_BYTES / 8);
-            finish(1, G, c, t0, n, acc, sums, m);
-        }
-        n += r;
-        m += r;
-        if (m == 16 || n == n1) {
-            store_rows(G, c, sums, t0, n - m, m);
+    for (int64_t n = n0; n < n1; n++) {
+        zero_acc(1, G, acc);
+        accumulate(1, G, 0, c, t0, n, 0, NG, acc, PREFETCH_BYTES, PREFETCH_BYTES / 8);
+        finish(1, G, c, t0, n, acc, sums, m);
+        if (++m == 16 || n + 1 == n1) {
+            store_rows(G, c, sums, t0, n + 1 - m, m);
             m = 0;
         }
     }
@@ -408,44 +409,47 @@ static inline __attribute__((always_inline)) void tiles(const int R, const int G
 /* Groups [g0, g1) of rows n..n+R-1 on top of the sums so far in saved[r] (none at g0 = 0). */
 static inline __attribute__((always_inline)) void chunk_step(
     const int R, const int G, const struct call *c, int64_t t0, int64_t n, int64_t g0,
-    int64_t g1, __m512 saved[][MAX_GROUP], int64_t pf_w, int64_t pf_sz) {
+    int64_t g1, __m512 saved[][2][MAX_GROUP], int64_t pf_w, int64_t pf_sz) {
     __m512 acc[2][2][MAX_GROUP];
 #pragma GCC unroll 2
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
-        for (int t = 0; t < G; t++) acc[0][r][t] = g0 ? saved[r][t] : _mm512_setzero_ps();
-    accumulate(R, G, 1, 1, c, t0, n, g0, g1, acc, pf_w, pf_sz);
+        for (int t = 0; t < G; t++) {
+            acc[0][r][t] = g0 ? saved[r][0][t] : _mm512_setzero_ps();
+            acc[1][r][t] = g0 ? saved[r][1][t] : _mm512_setzero_ps();
+        }
+    accumulate(R, G, 1, c, t0, n, g0, g1, acc, pf_w, pf_sz);
 #pragma GCC unroll 2
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
-        for (int t = 0; t < G; t++) saved[r][t] = acc[0][r][t];
+        for (int t = 0; t < G; t++) {
+            saved[r][0][t] = acc[0][r][t];
+            saved[r][1][t] = acc[1][r][t];
+        }
 }
 
 /* The same with x too large for L1 (it would be evicted by the weight stream and read from
  * L2): 16 rows at a time, K in chunks of c->chunk groups whose x stays in L1, the
  * accumulators kept in memory between chunks. Each weight line is prefetched into L2 while
  * the same line 16 rows earlier is used. */
-static inline __attribute__((always_inline)) void tiles_chunked(const int R, const int G,
+static inline __attribute__((always_inline)) void tiles_chunked(const int G,
                                                                 const struct call *c,
                                                                 int64_t t0, int64_t n0,
                                                                 int64_t n1) {
     const int64_t NG = c->K / GROUP, pf_w = 16 * c->w_stride, pf_sz = 32 * c->sz_stride;
-    __m512 sums[MAX_GROUP][16], saved[16][MAX_GROUP], acc[2][2][MAX_GROUP];
+    __m512 sums[MAX_GROUP][16], saved[16][2][MAX_GROUP], acc[2][2][MAX_GROUP];
     for (int64_t nb = n0; nb < n1; nb += 16) {
         const int num = n1 - nb < 16 ? (int)(n1 - nb) : 16;
         for (int64_t g0 = 0; g0 < NG; g0 += c->chunk) {
             const int64_t g1 = g0 + c->chunk < NG ? g0 + c->chunk : NG;
-            int i = 0;
-            for (; i + R <= num; i += R)
-                chunk_step(R, G, c, t0, nb + i, g0, g1, saved + i, pf_w, pf_sz);
-            for (; i < num; i++)
+            for (int i = 0; i < num; i++)
                 chunk_step(1, G, c, t0, nb + i, g0, g1, saved + i, pf_w, pf_sz);
         }
         for (int i = 0; i < num; i++) {
 #pragma GCC unroll 8
             for (int t = 0; t < G; t++) {
-                acc[0][0][t] = saved[i][t];
-                acc[1][0][t] = _mm512_setzero_ps();
+                acc[0][0][t] = saved[i][0][t];
+                acc[1][0][t] = saved[i][1][t];
             }
             finish(1, G, c, t0, nb + i, acc, sums, i);
         }
@@ -453,33 +457,28 @@ static inline __attribute__((always_inline)) void tiles_chunked(const int R, con
     }
 }
 
-#define CASE(R, G) case R * 16 + G: \
-    if (c->chunk < NG) tiles_chunked(R, G, c, t0, n0, n1); else tiles(R, G, c, t0, n0, n1); \
+#define CASE(G) case G: \
+    if (c->chunk < NG) tiles_chunked(G, c, t0, n0, n1); else tiles(G, c, t0, n0, n1); \
     break
-#define CASES(R) CASE(R, 1); CASE(R, 2); CASE(R, 3); CASE(R, 4); CASE(R, 5); CASE(R, 6); \
-    CASE(R, 7); CASE(R, 8)
-static void run_tiles(int R, int G, const struct call *c, int64_t t0, int64_t n0, int64_t n1) {
+static void run_tiles(int G, const struct call *c, int64_t t0, int64_t n0, int64_t n1) {
     const int64_t NG = c->K / GROUP;
-    switch (R * 16 + G) { CASES(1); CASES(2); }
+    switch (G) { CASE(1); CASE(2); CASE(3); CASE(4); CASE(5); CASE(6); CASE(7); CASE(8); }
 }
-#undef CASES
 #undef CASE
 
 /* Rows [n0, n1) for all T input rows, in blocks of rows that stay in cache while each group
- * of up to 8 input rows passes over them (one block when T <= 8). One input row reads one
- * weight row after another (one stream, best for the prefetcher); more share each load of
- * x between two weight rows. */
+ * of up to 8 input rows passes over them (one block when T <= 8), one weight row after
+ * another (one stream, best for the prefetcher). */
 static void rows(const struct call *c, int64_t n0, int64_t n1) {
     const int64_t T = c->T, K = c->K;
     const int64_t num_groups = (T + MAX_GROUP - 1) / MAX_GROUP;
     const int64_t G = (T + num_groups - 1) / num_groups; /* balanced, e.g. 9 -> 5 + 4 */
     const int64_t row_bytes = K / 2 + K / 8;
     const int64_t block = num_groups == 1 ? n1 - n0 : 16 * (1 + BLOCK_BYTES / (16 * row_bytes));
-    const int R = T == 1 ? 1 : 2;
     for (int64_t b0 = n0; b0 < n1; b0 += block) {
         const int64_t b1 = b0 + block < n1 ? b0 + block : n1;
         for (int64_t t0 = 0; t0 < T; t0 += G)
-            run_tiles(R, (int)(T - t0 < G ? T - t0 : G), c, t0, b0, b1);
+            run_tiles((int)(T - t0 < G ? T - t0 : G), c, t0, b0, b1);
     }
 }
 
