@@ -42,9 +42,10 @@
  * several rows of x saved loads of x but needed a single accumulator to fit the registers,
  * another order. One row at a time against pairs (bench_int4.py, same session): 1 row the
  * same, 4-9 rows from 10% slower to 9% faster by matrix, 16 rows 10-22% faster (the
- * 4864-column down projection 9% slower). Each OpenMP thread takes one
- * contiguous range of output rows; small matrices run on one thread, with no parallel
- * region. Without AVX512-BF16 the bf16 pairs are widened by shifts and multiplied with FMA,
+ * 4864-column down projection 9% slower).
+ *
+ * Each OpenMP thread takes one contiguous range of output rows; small matrices run on one
+ * thread, with no parallel region. Without AVX512-BF16 the bf16 pairs are widened by shifts and multiplied with FMA,
  * as in gemv_bf16.c.
  *
  * Measured on 2 Zen 5 cores (bench/bench_int4.py: Qwen2.5-0.5B shapes, weights far beyond
@@ -78,8 +79,8 @@
 #define MIN_BYTES_PER_THREAD (64 << 10) /* less weight per thread runs on fewer threads */
 #define BLOCK_BYTES (16 << 10) /* T > 8: rows per block, re-read from cache by the 2nd group */
 /* x beyond ~16 KB is evicted from L1 by the weight stream and read again from L2 for each
- * weight row. Measured: up to 32 KB that costs less than
- * walking K in chunks of CHUNK_X_BYTES of x for 16 rows at a time; beyond, more. */
+ * weight row. Measured: up to 32 KB that costs less than walking K in chunks of
+ * CHUNK_X_BYTES of x for 16 rows at a time; beyond, more. */
 #define MAX_UNCHUNKED_X_BYTES (32 << 10)
 #define CHUNK_X_BYTES (16 << 10)
 #define PREFETCH_BYTES 6144 /* unchunked: how far ahead the packed stream is prefetched */
@@ -236,9 +237,8 @@ static inline __attribute__((always_inline)) void prefetch(
 /* One block of 4 groups (g..g+3, the first ng of them) of R weight rows (wr, sr: the first
  * row's) x G input rows into acc[r][t] (callers use R = 1). Each row's weights are unpacked
  * once; for each input row, x is loaded once per vector and used for all R rows, the four
- * dots go into one vector (two chains, for latency), scaled once. The weight
- * streams are prefetched pf_w bytes ahead (scales and zeros pf_sz), into L1 (far = 0) or
- * L2 (far = 1). */
+ * dots go into one vector (two chains, for latency), scaled once. The weight streams are
+ * prefetched pf_w bytes ahead (scales and zeros pf_sz), into L1 (far = 0) or L2 (far = 1). */
 static inline __attribute__((always_inline)) void block_step(
     const int R, const int G, const int far, __m512 acc[2][MAX_GROUP], const uint8_t *wr,
     const uint16_t *sr, const uint16_t *zr, const uint16_t *xb, int64_t w_stride,
