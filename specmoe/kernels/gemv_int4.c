@@ -234,40 +234,31 @@ static inline __attribute__((always_inline)) void prefetch(
     }
 }
 
-/* One block of 4 groups (g..g+3, the first ng of them) of R weight rows (wr, sr: the first
- * row's) x G input rows into acc[r][t] (callers use R = 1). Each row's weights are unpacked
- * once; for each input row, x is loaded once per vector and used for all R rows, the four
- * dots go into one vector (two chains, for latency), scaled once. The weight streams are
- * prefetched pf_w bytes ahead (scales and zeros pf_sz), into L1 (far = 0) or L2 (far = 1). */
+/* One block of 4 groups (g..g+3, the first ng of them) of one weight row (w, sr, zr: its
+ * packed bytes, scales and zeros) x G input rows into acc[t]. The row's weights are
+ * unpacked once and used for every input row; the four dots go into one vector (two chains,
+ * for latency), scaled once. The weight streams are prefetched pf_w bytes ahead (scales and
+ * zeros pf_sz), into L1 (far = 0) or L2 (far = 1). */
 static inline __attribute__((always_inline)) void block_step(
-    const int R, const int G, const int far, __m512 acc[2][MAX_GROUP], const uint8_t *wr,
-    const uint16_t *sr, const uint16_t *zr, const uint16_t *xb, int64_t w_stride,
-    int64_t sz_stride, int64_t pf_w, int64_t pf_sz, int64_t g, int ng) {
+    const int G, const int far, __m512 acc[MAX_GROUP], const uint8_t *wr, const uint16_t *sr,
+    const uint16_t *zr, const uint16_t *xb, int64_t pf_w, int64_t pf_sz, int64_t g, int ng) {
     const __mmask64 m = ng == 4 ? ~(__mmask64)0 : ((__mmask64)1 << (16 * ng)) - 1;
-    __m512i v[2][4];
-    __m512 sv[2];
-#pragma GCC unroll 2
-    for (int r = 0; r < R; r++) {
-        const uint8_t *w = wr + r * w_stride + g * 16;
-        prefetch(far, w, sr + r * sz_stride + g, zr + r * sz_stride + g, pf_w, pf_sz, g);
-        __m512i b = ng == 4 ? _mm512_loadu_si512(w) : _mm512_maskz_loadu_epi8(m, w);
-        __asm__("" : "+v"(b)); /* one load of b, not one per use (loads are the bottleneck) */
-        unpack_block(b, v[r]);
-        sv[r] = block_scales(sr + r * sz_stride + g, ng);
-    }
+    const uint8_t *w = wr + g * 16;
+    prefetch(far, w, sr + g, zr + g, pf_w, pf_sz, g);
+    __m512i b = ng == 4 ? _mm512_loadu_si512(w) : _mm512_maskz_loadu_epi8(m, w);
+    __asm__("" : "+v"(b)); /* one load of b, not one per use (loads are the bottleneck) */
+    __m512i v[4];
+    unpack_block(b, v);
+    const __m512 sv = block_scales(sr + g, ng);
 #pragma GCC unroll 8
     for (int t = 0; t < G; t++) {
-        __m512 d[2][2];
+        __m512 d[2];
 #pragma GCC unroll 4
         for (int i = 0; i < 4; i++) {
             const __m512i xv = _mm512_loadu_si512(xb + t * BLOCK_ELEMS + i * 32);
-#pragma GCC unroll 2
-            for (int r = 0; r < R; r++)
-                d[r][i % 2] = dot_pairs(i >= 2 ? d[r][i % 2] : _mm512_setzero_ps(), v[r][i], xv);
+            d[i % 2] = dot_pairs(i >= 2 ? d[i % 2] : _mm512_setzero_ps(), v[i], xv);
         }
-#pragma GCC unroll 2
-        for (int r = 0; r < R; r++)
-            acc[r][t] = _mm512_fmadd_ps(_mm512_add_ps(d[r][0], d[r][1]), sv[r], acc[r][t]);
+        acc[t] = _mm512_fmadd_ps(_mm512_add_ps(d[0], d[1]), sv, acc[t]);
     }
 }
 
@@ -286,67 +277,50 @@ struct call {
     int64_t T, K, N, chunk;
 };
 
-/* acc += groups [g0, g1) (g0 a multiple of 8) of R weight rows (n..n+R-1) x G input rows
+/* acc += groups [g0, g1) (g0 a multiple of 8) of weight row n x G input rows
  * (t0..t0+G-1), blocks alternating between acc[0] and acc[1] (hides the FMA latency): the
  * same blocks in the same accumulators whatever splits K, so every caller sums alike. */
 static inline __attribute__((always_inline)) void accumulate(
-    const int R, const int G, const int far, const struct call *c, int64_t t0,
-    int64_t n, int64_t g0, int64_t g1, __m512 acc[2][2][MAX_GROUP], int64_t pf_w,
-    int64_t pf_sz) {
-    const int64_t xstride = c->T * BLOCK_ELEMS, w_stride = c->w_stride, sz_stride = c->sz_stride;
+    const int G, const int far, const struct call *c, int64_t t0, int64_t n, int64_t g0,
+    int64_t g1, __m512 acc[2][MAX_GROUP], int64_t pf_w, int64_t pf_sz) {
+    const int64_t xstride = c->T * BLOCK_ELEMS;
     const uint16_t *xp = c->xp + t0 * BLOCK_ELEMS;
-    const uint8_t *wr = c->packed + n * w_stride;
-    const uint16_t *sr = c->scales + n * sz_stride, *zr = c->zeros + n * sz_stride;
+    const uint8_t *wr = c->packed + n * c->w_stride;
+    const uint16_t *sr = c->scales + n * c->sz_stride, *zr = c->zeros + n * c->sz_stride;
     int64_t g = g0;
     for (; g + 8 <= g1; g += 8) {
-        block_step(R, G, far, acc[0], wr, sr, zr, xp + (g / 4) * xstride, w_stride, sz_stride,
-                   pf_w, pf_sz, g, 4);
-        block_step(R, G, far, acc[1], wr, sr, zr, xp + (g / 4 + 1) * xstride, w_stride,
-                   sz_stride, pf_w, pf_sz, g + 4, 4);
+        block_step(G, far, acc[0], wr, sr, zr, xp + (g / 4) * xstride, pf_w, pf_sz, g, 4);
+        block_step(G, far, acc[1], wr, sr, zr, xp + (g / 4 + 1) * xstride, pf_w, pf_sz,
+                   g + 4, 4);
     }
     if (g + 4 <= g1) {
-        block_step(R, G, far, acc[0], wr, sr, zr, xp + (g / 4) * xstride, w_stride, sz_stride,
-                   pf_w, pf_sz, g, 4);
+        block_step(G, far, acc[0], wr, sr, zr, xp + (g / 4) * xstride, pf_w, pf_sz, g, 4);
         g += 4;
     }
     if (g < g1)
-        block_step(R, G, far, acc[1], wr, sr, zr, xp + (g / 4) * xstride, w_stride,
-                   sz_stride, pf_w, pf_sz, g, (int)(g1 - g));
+        block_step(G, far, acc[1], wr, sr, zr, xp + (g / 4) * xstride, pf_w, pf_sz, g,
+                   (int)(g1 - g));
 }
 
-/* The zero terms, (z - 136 s) . X 16 groups a step, added to acc; then each output's vector
- * (lanes still to be added) into sums[t][m + r]. */
+/* The zero terms, (z - 136 s) . X 16 groups a step, added to acc[1]; then each output's
+ * vector (lanes still to be added) into sums[t][m]. */
 static inline __attribute__((always_inline)) void finish(
-    const int R, const int G, const struct call *c, int64_t t0, int64_t n,
-    __m512 acc[2][2][MAX_GROUP], __m512 sums[MAX_GROUP][16], int m) {
-    const int64_t T = c->T, NG = c->K / GROUP, sz_stride = c->sz_stride;
+    const int G, const struct call *c, int64_t t0, int64_t n, __m512 acc[2][MAX_GROUP],
+    __m512 sums[MAX_GROUP][16], int m) {
+    const int64_t T = c->T, NG = c->K / GROUP;
     const float *xs = c->xs + t0 * 16;
-    const uint16_t *sr = c->scales + n * sz_stride, *zr = c->zeros + n * sz_stride;
+    const uint16_t *sr = c->scales + n * c->sz_stride, *zr = c->zeros + n * c->sz_stride;
     const __m512 shift = _mm512_set1_ps(-ZERO_SHIFT);
     for (int64_t k = 0; k * 16 < NG; k++) {
         const int ng = NG - k * 16 < 16 ? (int)(NG - k * 16) : 16;
-#pragma GCC unroll 2
-        for (int r = 0; r < R; r++) {
-            const __m512 zv = _mm512_fmadd_ps(shift, load_bf16x16(sr + r * sz_stride + k * 16, ng),
-                                              load_bf16x16(zr + r * sz_stride + k * 16, ng));
+        const __m512 zv = _mm512_fmadd_ps(shift, load_bf16x16(sr + k * 16, ng),
+                                          load_bf16x16(zr + k * 16, ng));
 #pragma GCC unroll 8
-            for (int t = 0; t < G; t++)
-                acc[1][r][t] = _mm512_fmadd_ps(zv, _mm512_loadu_ps(xs + (k * T + t) * 16),
-                                               acc[1][r][t]);
-        }
+        for (int t = 0; t < G; t++)
+            acc[1][t] = _mm512_fmadd_ps(zv, _mm512_loadu_ps(xs + (k * T + t) * 16), acc[1][t]);
     }
-#pragma GCC unroll 2
-    for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
-        for (int t = 0; t < G; t++) sums[t][m + r] = _mm512_add_ps(acc[0][r][t], acc[1][r][t]);
-}
-
-static inline __attribute__((always_inline)) void zero_acc(const int R, const int G,
-                                                           __m512 acc[2][2][MAX_GROUP]) {
-#pragma GCC unroll 2
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 8
-        for (int t = 0; t < G; t++) acc[0][r][t] = acc[1][r][t] = _mm512_setzero_ps();
+    for (int t = 0; t < G; t++) sums[t][m] = _mm512_add_ps(acc[0][t], acc[1][t]);
 }
 
 /* Lane sums of v[0..15] as one vector (lane i = sum of v[i]): a tree of two-source
@@ -393,12 +367,13 @@ static inline __attribute__((always_inline)) void store_rows(
 static inline __attribute__((always_inline)) void tiles(const int G, const struct call *c,
                                                         int64_t t0, int64_t n0, int64_t n1) {
     const int NG = c->K / GROUP;
-    __m512 sums[MAX_GROUP][16], acc[2][2][MAX_GROUP];
+    __m512 sums[MAX_GROUP][16], acc[2][MAX_GROUP];
     int m = 0;
     for (int64_t n = n0; n < n1; n++) {
-        zero_acc(1, G, acc);
-        accumulate(1, G, 0, c, t0, n, 0, NG, acc, PREFETCH_BYTES, PREFETCH_BYTES / 8);
-        finish(1, G, c, t0, n, acc, sums, m);
+#pragma GCC unroll 8
+        for (int t = 0; t < G; t++) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
+        accumulate(G, 0, c, t0, n, 0, NG, acc, PREFETCH_BYTES, PREFETCH_BYTES / 8);
+        finish(G, c, t0, n, acc, sums, m);
         if (++m == 16 || n + 1 == n1) {
             store_rows(G, c, sums, t0, n + 1 - m, m);
             m = 0;
@@ -406,26 +381,22 @@ static inline __attribute__((always_inline)) void tiles(const int G, const struc
     }
 }
 
-/* Groups [g0, g1) of rows n..n+R-1 on top of the sums so far in saved[r] (none at g0 = 0). */
+/* Groups [g0, g1) of row n on top of its sums so far in saved (none at g0 = 0). */
 static inline __attribute__((always_inline)) void chunk_step(
-    const int R, const int G, const struct call *c, int64_t t0, int64_t n, int64_t g0,
-    int64_t g1, __m512 saved[][2][MAX_GROUP], int64_t pf_w, int64_t pf_sz) {
-    __m512 acc[2][2][MAX_GROUP];
-#pragma GCC unroll 2
-    for (int r = 0; r < R; r++)
+    const int G, const struct call *c, int64_t t0, int64_t n, int64_t g0, int64_t g1,
+    __m512 saved[2][MAX_GROUP], int64_t pf_w, int64_t pf_sz) {
+    __m512 acc[2][MAX_GROUP];
 #pragma GCC unroll 8
-        for (int t = 0; t < G; t++) {
-            acc[0][r][t] = g0 ? saved[r][0][t] : _mm512_setzero_ps();
-            acc[1][r][t] = g0 ? saved[r][1][t] : _mm512_setzero_ps();
-        }
-    accumulate(R, G, 1, c, t0, n, g0, g1, acc, pf_w, pf_sz);
-#pragma GCC unroll 2
-    for (int r = 0; r < R; r++)
+    for (int t = 0; t < G; t++) {
+        acc[0][t] = g0 ? saved[0][t] : _mm512_setzero_ps();
+        acc[1][t] = g0 ? saved[1][t] : _mm512_setzero_ps();
+    }
+    accumulate(G, 1, c, t0, n, g0, g1, acc, pf_w, pf_sz);
 #pragma GCC unroll 8
-        for (int t = 0; t < G; t++) {
-            saved[r][0][t] = acc[0][r][t];
-            saved[r][1][t] = acc[1][r][t];
-        }
+    for (int t = 0; t < G; t++) {
+        saved[0][t] = acc[0][t];
+        saved[1][t] = acc[1][t];
+    }
 }
 
 /* The same with x too large for L1 (it would be evicted by the weight stream and read from
@@ -437,22 +408,15 @@ static inline __attribute__((always_inline)) void tiles_chunked(const int G,
                                                                 int64_t t0, int64_t n0,
                                                                 int64_t n1) {
     const int64_t NG = c->K / GROUP, pf_w = 16 * c->w_stride, pf_sz = 32 * c->sz_stride;
-    __m512 sums[MAX_GROUP][16], saved[16][2][MAX_GROUP], acc[2][2][MAX_GROUP];
+    __m512 sums[MAX_GROUP][16], saved[16][2][MAX_GROUP];
     for (int64_t nb = n0; nb < n1; nb += 16) {
         const int num = n1 - nb < 16 ? (int)(n1 - nb) : 16;
         for (int64_t g0 = 0; g0 < NG; g0 += c->chunk) {
             const int64_t g1 = g0 + c->chunk < NG ? g0 + c->chunk : NG;
             for (int i = 0; i < num; i++)
-                chunk_step(1, G, c, t0, nb + i, g0, g1, saved + i, pf_w, pf_sz);
+                chunk_step(G, c, t0, nb + i, g0, g1, saved[i], pf_w, pf_sz);
         }
-        for (int i = 0; i < num; i++) {
-#pragma GCC unroll 8
-            for (int t = 0; t < G; t++) {
-                acc[0][0][t] = saved[i][0][t];
-                acc[1][0][t] = saved[i][1][t];
-            }
-            finish(1, G, c, t0, nb + i, acc, sums, i);
-        }
+        for (int i = 0; i < num; i++) finish(G, c, t0, nb + i, saved[i], sums, i);
         store_rows(G, c, sums, t0, nb, num);
     }
 }
