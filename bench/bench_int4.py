@@ -1,6 +1,7 @@
 """Time of the CPU int4 linear kernel (`specmoe.kernels.gemv_int4`) against torch's
 `aten._weight_int4pack_mm_for_cpu` and our bf16 kernel, for Qwen2.5-0.5B-shaped matrices
-(the draft model) at decode-sized inputs.
+(the draft model) at decode-sized inputs, or at prefill sizes with `--rows 32,150` (beyond 16
+rows ours dequantises slices of the weights to bf16 for the bf16 GEMM).
 
 Each implementation cycles over distinct copies of its weights totalling at least
 `--min-bytes` (default 512 MiB, far beyond the 32 MiB L3), so every call reads from memory.

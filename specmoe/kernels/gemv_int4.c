@@ -90,6 +90,14 @@
 /* 2: vdpbf16ps, 1: shift + FMA. Lets Python report which path it built. */
 int specmoe_gemv_int4_isa(void) { return SPECMOE_ISA; }
 
+/* One bf16 value as fp32. */
+static inline float bf16_scalar(uint16_t v) {
+    const uint32_t u = (uint32_t)v << 16;
+    float f;
+    __builtin_memcpy(&f, &u, sizeof f);
+    return f;
+}
+
 /* 16 bf16 values (the first `n` of them, zeros after) as fp32. */
 static inline __m512 load_bf16x16(const uint16_t *p, int n) {
     const __mmask16 m = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
@@ -490,6 +498,44 @@ int specmoe_linear_int4(const struct specmoe_int4_weights *w, const void *x, voi
         const int64_t nt = omp_get_num_threads(), i = omp_get_thread_num();
         const int64_t n0 = num_units * i / nt * 2, n1 = num_units * (i + 1) / nt * 2;
         if (n0 < N) rows(&c, n0, n1 < N ? n1 : N);
+    }
+    return 0;
+}
+
+/* Rows [n0, n1) of W = (q - 8) * s + z as bf16 into out [n1 - n0, K] (row-major): each value
+ * in fp32 ((q - 8) * s is exact there; + z rounds once), rounded to nearest even, i.e.
+ * `int4_dequantize(..., torch.bfloat16)` bit for bit. For many rows of x (prefill), where a
+ * GEMM on bf16 weights (gemv_bf16.c) runs 1.3-2x torch's int4 kernel even counting this
+ * pass. Returns 0, or -1 for a row range outside [0, N]. */
+int specmoe_int4_to_bf16(const struct specmoe_int4_weights *w, uint16_t *out, int64_t n0,
+                         int64_t n1, int num_threads) {
+    const int64_t K = w->K, NG = K / GROUP;
+    if (n0 < 0 || n1 > w->N || n0 > n1) return -1;
+    const int64_t max_threads = (n1 - n0) * K / (MIN_BYTES_PER_THREAD * 2);
+    if (num_threads > max_threads) num_threads = (int)max_threads;
+    if (num_threads < 1) num_threads = 1;
+    /* bf16 pairs (low nibble's value, high nibble's) back into input order */
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
+                                           9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
+                                           17, 1, 16, 0);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *pr = w->packed + n * w->w_stride;
+        const uint16_t *sr = w->scales + n * w->sz_stride, *zr = w->zeros + n * w->sz_stride;
+        uint16_t *o = out + (n - n0) * K;
+        for (int64_t g = 0; g < NG; g++) { /* 16 bytes: byte j = input 2j | input 2j+1 << 4 */
+            const __m512 s = _mm512_set1_ps(bf16_scalar(sr[g]));
+            const __m512 z = _mm512_set1_ps(bf16_scalar(zr[g]));
+            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(pr + g * 16)));
+            const __m512 eight = _mm512_set1_ps(8.0f);
+            const __m512 q_even = _mm512_sub_ps(
+                _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F))), eight);
+            const __m512 q_odd = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), eight);
+            const __m256i even = f32x16_to_bf16(_mm512_add_ps(_mm512_mul_ps(q_even, s), z));
+            const __m256i odd = f32x16_to_bf16(_mm512_add_ps(_mm512_mul_ps(q_odd, s), z));
+            const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1);
+            _mm512_storeu_si512(o + g * GROUP, _mm512_permutexvar_epi16(order, both));
+        }
     }
     return 0;
 }

@@ -1,9 +1,16 @@
-"""int4 weight-only linear for decode-sized inputs (1..16 rows) on CPU, through `gemv_int4.c`.
+"""int4 weight-only linear on CPU, through `gemv_int4.c`: decode-sized inputs (1..16 rows) by
+its int4 kernel, more rows (prefill) by dequantising slices of the weights to bf16 for our bf16
+GEMM.
 
 torch's `aten._weight_int4pack_mm_for_cpu` reads int4 weights far below memory bandwidth at
 a few rows, so an int4 draft model gained little over bf16. This kernel streams each weight
 row once for all rows of x, multiplies the 4-bit integers as bf16 numbers and applies each
-group's scale to its dot product (the C source gives the layout and the math).
+group's scale to its dot product (the C source gives the layout and the math). With more
+rows the multiplies set the pace, and torch's int4 kernel runs at about half of our bf16
+GEMM's (`specmoe.kernels.gemv`); so there the weights are dequantised to bf16, a slice of
+at most `DEQUANT_SLICE_BYTES` at a time (it stays in the last-level cache), and multiplied by
+that GEMM: 1.3x torch's int4 kernel at 17 rows, 1.7-2x at 64-150 (bench/bench_int4.py). The
+weights are then rounded to bf16 (a relative 2^-9, below the output's own rounding).
 
 `pack_int4` puts what `quantize_int4` returns into the kernel's layout; `Int4Weights` holds
 one layer's packed weights, checked once, and its `linear` runs the kernel on x or returns
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 
 import torch
 
@@ -24,7 +32,8 @@ from specmoe.kernels import gemv
 from specmoe.kernels.build import LazyKernel, cpu_reason, load
 
 GROUP_SIZE = 32  # inputs per quantisation group: the only size the kernel takes
-MAX_ROWS = 16  # the most input rows the kernel takes; more go to torch's int4 matmul
+MAX_ROWS = 16  # the most input rows the int4 kernel takes; more go through bf16 slices
+DEQUANT_SLICE_BYTES = 8 << 20  # bf16 weights dequantised at a time beyond MAX_ROWS rows
 _REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
 _X_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -59,6 +68,9 @@ def load_kernel(extra_flags: tuple[str, ...] = ()):
                    ctypes.c_int, ctypes.c_int]
     fn.restype = ctypes.c_int
     lib.specmoe_gemv_int4_isa.restype = ctypes.c_int
+    lib.specmoe_int4_to_bf16.argtypes = [ctypes.POINTER(_CWeights), ctypes.c_void_p,
+                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    lib.specmoe_int4_to_bf16.restype = ctypes.c_int
     fn.library = lib
     return fn
 
@@ -147,21 +159,45 @@ class Int4Weights:
         """y = x @ W^T (+ bias), x rounded to bfloat16 first, fp32 accumulation; or None
         where the kernel does not apply.
 
+        Up to MAX_ROWS rows run the int4 kernel; more run `dequantized_linear` (weights
+        rounded to bf16, then our bf16 GEMM).
+
         Args:
-            x: [..., in] bfloat16 or float32, contiguous, CPU, at most 16 rows in all.
+            x: [..., in] bfloat16 or float32, contiguous, CPU.
         Returns:
-            [..., out] in x's dtype (bf16 output rounded once, after the bias), or None:
-            kernels off or unavailable, another device or dtype, non-contiguous x, no rows or
-            more than 16, or autograd needed. Raises nothing.
+            [..., out] in x's dtype (bf16 output rounded once, after the bias; beyond
+            MAX_ROWS rows always rounded to bf16), or None: kernels off or unavailable,
+            another device or dtype, non-contiguous x, no rows, or autograd needed. Raises
+            nothing.
         """
         if not gemv._enabled or x.dtype not in _X_DTYPES or not x.is_cpu:
             return None
         num_rows = x.numel() // self.num_in
-        if (not x.shape or x.shape[-1] != self.num_in or not 1 <= num_rows <= MAX_ROWS
+        if (not x.shape or x.shape[-1] != self.num_in or num_rows < 1
                 or not x.is_contiguous() or (x.requires_grad and torch.is_grad_enabled())):
             return None
         kernel = _lazy.kernel or _lazy.get()
-        return None if kernel is None else run_kernel(kernel, self, x)
+        if kernel is None:
+            return None
+        if num_rows > MAX_ROWS:
+            return dequantized_linear(kernel, self, x)
+        return run_kernel(kernel, self, x)
+
+    def to_bf16(self, kernel, start: int, end: int, out: torch.Tensor) -> None:
+        """Rows [start, end) of W as bf16 into out [end - start, in] (contiguous), computed as
+        `int4_dequantize(..., torch.bfloat16)` does, bit for bit.
+
+        Raises:
+            ValueError: a row range outside [0, out_features] or an `out` that does not fit.
+        """
+        if not 0 <= start <= end <= self.num_out:
+            raise ValueError(f"rows [{start}, {end}) outside [0, {self.num_out}]")
+        if (out.dtype is not torch.bfloat16 or not out.is_contiguous()
+                or out.shape != (end - start, self.num_in)):
+            raise ValueError(f"out must be [{end - start}, {self.num_in}] contiguous bfloat16, "
+                             f"got {out.dtype} {tuple(out.shape)}")
+        kernel.library.specmoe_int4_to_bf16(self._c, out.data_ptr(), start, end,
+                                            torch.get_num_threads())
 
 
 def run_kernel(kernel, weights: Int4Weights, x: torch.Tensor) -> torch.Tensor | None:
@@ -174,6 +210,48 @@ def run_kernel(kernel, weights: Int4Weights, x: torch.Tensor) -> torch.Tensor | 
     return y if status == 0 else None
 
 
+_slice = threading.local()  # per thread: its bf16 weight slice buffer
+
+
+def _slice_buffer(num_elements: int) -> torch.Tensor:
+    """A bf16 buffer of at least `num_elements`, reused by later calls on this thread."""
+    buf = getattr(_slice, "buffer", None)
+    if buf is None or buf.numel() < num_elements:
+        buf = _slice.buffer = torch.empty(num_elements, dtype=torch.bfloat16)
+    return buf[:num_elements]
+
+
+def dequantized_linear(kernel, weights: Int4Weights, x: torch.Tensor) -> torch.Tensor | None:
+    """y = x @ W^T (+ bias) for x already checked as `Int4Weights.linear` requires, by
+    slices of output rows: each slice of W dequantised to bf16 (`Int4Weights.to_bf16`, at
+    most DEQUANT_SLICE_BYTES) and multiplied by the bf16 GEMM with x rounded to bf16 and the
+    bias rounded to bf16 (added before the output's one rounding).
+
+    Returns:
+        [..., out] in x's dtype (its values bf16), or None where the bf16 GEMM is off or
+        unavailable. Raises nothing.
+    """
+    if gemv.kernel_unavailable_reason() is not None:
+        return None
+    k, n = weights.num_in, weights.num_out
+    xb = x.reshape(-1, k).to(torch.bfloat16)  # [T, in]
+    bias = None if weights.bias is None else weights.bias.to(torch.bfloat16)
+    rows = max(16, DEQUANT_SLICE_BYTES // (2 * k) // 16 * 16)
+    y = torch.empty(xb.shape[0], n, dtype=torch.bfloat16) if n > rows else None  # [T, out]
+    for start in range(0, n, rows):
+        end = min(n, start + rows)
+        w = _slice_buffer(rows * k)[:(end - start) * k].view(end - start, k)
+        weights.to_bf16(kernel, start, end, w)
+        part = gemv.try_linear_bf16(xb, w, None if bias is None else bias[start:end])
+        if part is None:
+            return None
+        if y is None:
+            y = part
+        else:
+            y[:, start:end] = part
+    return y.view(*x.shape[:-1], n).to(x.dtype)
+
+
 def try_linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                     zeros: torch.Tensor, bias: torch.Tensor | None = None
                     ) -> torch.Tensor | None:
@@ -181,7 +259,7 @@ def try_linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     not fit the layout (checks the weights on every call: layers keep an `Int4Weights`).
 
     Args:
-        x: [..., in] bfloat16 or float32, contiguous, CPU, at most 16 rows in all.
+        x: [..., in] bfloat16 or float32, contiguous, CPU.
         packed, scales, zeros: from `pack_int4`.
         bias: [out] or None.
     Returns:

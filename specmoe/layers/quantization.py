@@ -73,12 +73,14 @@ class Int4Linear(nn.Module):
     """y = x @ W^T + b with W[n, g*G + j] = q[n, g*G + j] * scale[n, g] + min[n, g],
     q in [0, 15], G = group_size.
 
-    torch's fused kernel takes q packed by `aten._convert_weight_to_int4pack_for_cpu` (a tiled
-    layout) and `scales_and_zeros` [in / G, out, 2] holding (scale, min + 8 * scale), since it
-    computes (q - 8) * scale + zero; it serves more than 16 input rows (prefill). On a CPU
-    that can run it, and with G = 32, the layer also keeps the weights in the layout of our
-    decode kernel (`cpu_kernel`, a `gemv_int4.Int4Weights`, not a buffer: one call reads one
-    layout) for 1..16 rows. The plain-torch reference is `int4_linear_reference` on the
+    On a CPU that can run our kernels, and with G = 32, the layer keeps the weights in the
+    layout of `specmoe.kernels.gemv_int4` (`cpu_kernel`, a `gemv_int4.Int4Weights`, not a
+    buffer): its int4 kernel serves 1..16 input rows (decode, verification), and more rows
+    (prefill) run on bf16 slices of the weights through our bf16 GEMM, about twice as fast as
+    torch's int4 kernel there. Elsewhere, or with our kernels off, torch's fused kernel runs:
+    it takes q packed by `aten._convert_weight_to_int4pack_for_cpu` (a tiled layout) and
+    `scales_and_zeros` [in / G, out, 2] holding (scale, min + 8 * scale), since it computes
+    (q - 8) * scale + zero. The plain-torch reference is `int4_linear_reference` on the
     unpacked q from `quantize_int4`; off CPU the layer keeps unpacked q and uses it.
     """
 
@@ -105,7 +107,7 @@ class Int4Linear(nn.Module):
             return int4_linear_reference(x, self.packed, self.scales_and_zeros,
                                          self.group_size, self.bias)
         if self.cpu_kernel is not None:
-            y = self.cpu_kernel.linear(x)  # None: off, > 16 rows, or x it does not take
+            y = self.cpu_kernel.linear(x)  # None: kernels off or x it does not take
             if y is not None:
                 return y
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(

@@ -12,7 +12,8 @@ import torch
 from specmoe import kernels
 from specmoe.config import ModelConfig
 from specmoe.kernels import gemv_int4
-from specmoe.layers.quantization import Int4Linear, int4_linear_reference, quantize_int4
+from specmoe.layers.quantization import (Int4Linear, int4_dequantize, int4_linear_reference,
+                                         quantize_int4)
 from specmoe.loader.model_loader import load_model
 from specmoe.worker.model_runner import ModelRunner
 
@@ -131,7 +132,6 @@ def test_fallback_for_unsupported_inputs(enabled):
     cases = {
         "float16": x.half(),
         "float64": x.double(),
-        "too many rows": torch.randn(gemv_int4.MAX_ROWS + 1, 64),
         "no rows": x[:0],
         "non-contiguous x": torch.randn(64, 4).t(),
         "shape mismatch": x[:, :32].contiguous(),
@@ -150,9 +150,58 @@ def test_fallback_for_unsupported_inputs(enabled):
     assert weights.linear(x) is None
 
 
+def _dequantized_path(x, q, sz, b):
+    """What beyond MAX_ROWS rows computes: the bf16 GEMM on bf16-rounded weights and bias."""
+    w = int4_dequantize(q, sz, 32, torch.bfloat16)
+    y = kernels.try_linear_bf16(x.bfloat16(), w, None if b is None else b.bfloat16())
+    return y.to(x.dtype)
+
+
+def test_to_bf16_is_int4_dequantize_bit_for_bit(enabled):
+    kernel = gemv_int4._lazy.get()
+    for k, n in [(32, 7), (160, 37), (896, 131), (4864, 37)]:
+        q, sz = _int4(k, n, seed=k * n)
+        weights = gemv_int4.Int4Weights(*gemv_int4.pack_int4(q, sz))
+        ref = int4_dequantize(q, sz, 32, torch.bfloat16)
+        for start, end in [(0, n), (1, n - 2), (3, 3)]:
+            out = torch.empty(end - start, k, dtype=torch.bfloat16)
+            weights.to_bf16(kernel, start, end, out)
+            assert torch.equal(out.view(torch.int16), ref[start:end].view(torch.int16))
+        with pytest.raises(ValueError, match="outside"):
+            weights.to_bf16(kernel, 0, n + 1, torch.empty(n + 1, k, dtype=torch.bfloat16))
+        with pytest.raises(ValueError, match="out must be"):
+            weights.to_bf16(kernel, 0, n, torch.empty(n, k))
+
+
+@pytest.mark.parametrize("k,n", [(96, 5), (896, 131), (4864, 37)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_many_rows_run_the_bf16_gemm_on_dequantized_slices(enabled, monkeypatch, k, n, bias):
+    """Beyond MAX_ROWS rows: slices of bf16 weights through the bf16 GEMM (several slices
+    here, the slice size made small), bit for bit what the whole bf16 weight gives, and close
+    to the fp32 reference."""
+    q, sz = _int4(k, n, seed=n)
+    b = torch.randn(n) if bias else None
+    weights = gemv_int4.Int4Weights(*gemv_int4.pack_int4(q, sz), b)
+    monkeypatch.setattr(gemv_int4, "DEQUANT_SLICE_BYTES", 16 * 2 * k)  # 16 rows a slice
+    for t, dtype in [(17, torch.bfloat16), (40, torch.float32), (100, torch.bfloat16)]:
+        x = torch.randn(1, t, k, generator=torch.Generator().manual_seed(t)).to(dtype)
+        y = weights.linear(x)
+        assert y is not None and y.dtype == dtype and y.shape == (1, t, n)
+        expected = _dequantized_path(x.view(t, k), q, sz, b)
+        assert torch.equal(y.view(t, n), expected)
+        # Rounding the weights to bf16 errs by at most 2^-9 |x| . |W| per output, the output
+        # rounding by 2^-9 |y|; fp32 sums add a little.
+        xr = x.view(t, k).bfloat16().float()
+        ref = _reference(xr, q, sz, b)
+        bound = xr.abs() @ int4_dequantize(q, sz, 32, torch.float32).abs().t()
+        err = (y.view(t, n).float() - ref).abs()
+        assert (err <= 2 ** -9 * bound + 2 ** -8 * ref.abs() + 1e-5).all()
+
+
 def test_layer_uses_kernel_for_decode_and_torch_beyond(enabled):
-    """Int4Linear: 1..16 rows through our kernel; more rows, or the kernel switched off,
-    through torch's `_weight_int4pack_mm_for_cpu`; all agree with the reference."""
+    """Int4Linear: 1..16 rows through our int4 kernel, more through bf16 slices of the
+    weights; with our kernels switched off, torch's `_weight_int4pack_mm_for_cpu`; all agree
+    with the reference."""
     w, b = torch.randn(192, 896) * 0.05, torch.randn(192)
     q, sz = quantize_int4(w, 32)
     layer = Int4Linear(q, sz, 32, b)
@@ -170,11 +219,12 @@ def test_layer_uses_kernel_for_decode_and_torch_beyond(enabled):
         if t <= gemv_int4.MAX_ROWS:
             assert torch.equal(y, layer.cpu_kernel.linear(x))
         else:
-            assert torch.equal(y, torch_path(x))
+            assert torch.equal(y, _dequantized_path(x, q, sz, b))
         torch.testing.assert_close(y, int4_linear_reference(x, q, sz, 32, b), atol=tol, rtol=tol)
     kernels.set_enabled(False)
-    x = torch.randn(3, 896)
-    assert torch.equal(layer(x), torch_path(x))
+    for t in (3, 17):
+        x = torch.randn(t, 896)
+        assert torch.equal(layer(x), torch_path(x))
 
 
 def _count_kernel_calls(monkeypatch) -> list[int]:
