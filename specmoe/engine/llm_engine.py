@@ -89,7 +89,7 @@ class LLM:
                 "speculative decoding on a target quantised to %s: %s, so greedy outputs may differ from "
                 "plain decoding at near-ties (bfloat16 and float32 targets give identical "
                 "tokens)", quantization, "its kernel sums a token's outputs in one order "
-                "only up to 16 rows per forward (one request with K <= 15)"
+                "only up to 32 rows per forward (e.g. 4 requests with K <= 7)"
                 if quantization == "int4" else "its kernel (torch's) is not batch-invariant")
         sched = self.config.scheduler
         num_blocks = _num_kv_blocks(sched, self.target)

@@ -1,4 +1,5 @@
-/* y[T, N] = x[T, K] @ W^T (+ b[N]) for int4 weights, T <= 16, fp32 accumulation.
+/* y[T, N] = x[T, K] @ W^T (+ b[N]) for int4 weights, T <= 16, fp32 accumulation; and the
+ * pass that dequantises rows of W to bf16 for many rows of x (specmoe_int4_to_bf16, at the end).
  *
  * Layout (specmoe/kernels/gemv_int4.py `pack_int4`), groups of 32 inputs, K % 32 == 0:
  *   packed  uint8 [N, K/2]: byte j of row n = q[n, 2j] | q[n, 2j+1] << 4, q in [0, 15]
@@ -36,9 +37,10 @@
  * Batch invariance: each output sums its blocks in one order whatever T, its row's place
  * in x, the K chunks and the thread count (even blocks into one accumulator, odd ones into
  * another, the zero terms onto the odd one, then their sum and the same 16-lane tree), so
- * up to 16 rows of speculative verification give each token the bits of decoding it alone:
- * greedy speculation on an int4 target is lossless while forwards have at most 16 rows
- * (beyond, torch's int4 kernel runs, in its own order). Weight rows taken in pairs for
+ * up to 16 rows of speculative verification give each token the bits of decoding it alone
+ * (gemv_int4.py splits 17-32 rows into two calls): greedy speculation on an int4 target is
+ * lossless while forwards have at most 32 rows (beyond, bf16 slices of the weights run
+ * through gemv_bf16.c, in another order). Weight rows taken in pairs for
  * several rows of x saved loads of x but needed a single accumulator to fit the registers,
  * another order. One row at a time against pairs (bench_int4.py, same session): 1 row the
  * same, 4-9 rows from 10% slower to 9% faster by matrix, 16 rows 10-22% faster (the
@@ -504,13 +506,15 @@ int specmoe_linear_int4(const struct specmoe_int4_weights *w, const void *x, voi
 
 /* Rows [n0, n1) of W = (q - 8) * s + z as bf16 into out [n1 - n0, K] (row-major): each value
  * in fp32 ((q - 8) * s is exact there; + z rounds once), rounded to nearest even, i.e.
- * `int4_dequantize(..., torch.bfloat16)` bit for bit. For many rows of x (prefill), where a
- * GEMM on bf16 weights (gemv_bf16.c) runs 1.3-2x torch's int4 kernel even counting this
- * pass. Returns 0, or -1 for a row range outside [0, N]. */
+ * `int4_dequantize(..., torch.bfloat16)` bit for bit, except that the AVX512-BF16 build
+ * flushes denormal results to zero and NaNs may carry another payload. For many rows of x
+ * (prefill), where a GEMM on bf16 weights (gemv_bf16.c) runs 1.3-2.3x torch's int4 kernel
+ * even counting this pass. Returns 0, or -1 for a row range outside [0, N] or K not a
+ * positive multiple of 32. */
 int specmoe_int4_to_bf16(const struct specmoe_int4_weights *w, uint16_t *out, int64_t n0,
                          int64_t n1, int num_threads) {
     const int64_t K = w->K, NG = K / GROUP;
-    if (n0 < 0 || n1 > w->N || n0 > n1) return -1;
+    if (n0 < 0 || n1 > w->N || n0 > n1 || K < GROUP || K % GROUP) return -1;
     const int64_t max_threads = (n1 - n0) * K / (MIN_BYTES_PER_THREAD * 2);
     if (num_threads > max_threads) num_threads = (int)max_threads;
     if (num_threads < 1) num_threads = 1;

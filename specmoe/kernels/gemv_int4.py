@@ -1,16 +1,25 @@
-"""int4 weight-only linear on CPU, through `gemv_int4.c`: decode-sized inputs (1..16 rows) by
+"""int4 weight-only linear on CPU, through `gemv_int4.c`: decode-sized inputs (1..32 rows) by
 its int4 kernel, more rows (prefill) by dequantising slices of the weights to bf16 for our bf16
 GEMM.
 
 torch's `aten._weight_int4pack_mm_for_cpu` reads int4 weights far below memory bandwidth at
 a few rows, so an int4 draft model gained little over bf16. This kernel streams each weight
 row once for all rows of x, multiplies the 4-bit integers as bf16 numbers and applies each
-group's scale to its dot product (the C source gives the layout and the math). With more
-rows the multiplies set the pace, and torch's int4 kernel runs at about half of our bf16
-GEMM's (`specmoe.kernels.gemv`); so there the weights are dequantised to bf16, a slice of
-at most `DEQUANT_SLICE_BYTES` at a time (it stays in the last-level cache), and multiplied by
-that GEMM: 1.3x torch's int4 kernel at 17 rows, 1.7-2x at 64-150 (bench/bench_int4.py). The
-weights are then rounded to bf16 (a relative 2^-9, below the output's own rounding).
+group's scale to its dot product (the C source gives the layout and the math). One call
+takes up to MAX_ROWS = 16 rows and gives each row the bits it gets alone; 17 to
+MAX_SPLIT_ROWS = 32 rows run as two such calls, so speculative verification of several
+requests stays batch-invariant (lossless) up to 32 rows per forward, at about the cost of
+the alternative below (from memory, Qwen2.5-1.5B matrices: up to 1.26x faster at 17 rows,
+10-37% slower at 32).
+
+With more rows the multiplies set the pace, and torch's int4 kernel runs at about half of our
+bf16 GEMM's rate (`specmoe.kernels.gemv`); so there the weights are dequantised to bf16, a
+slice of at most `DEQUANT_SLICE_BYTES` at a time (it stays in the last-level cache), and
+multiplied by that GEMM: 1.3-1.7x torch's int4 kernel at 33-64 rows, 2.0-2.3x at 150
+(bench/bench_int4.py). Rounding the weights to bf16 errs by up to 2^-9 |x| . |W| per
+output: far below the int4 grid for ordinary groups, but a group whose values sit on a large
+common offset (range well under 2^-7 of its magnitude) loses its int4 levels, where torch's
+int4 kernel, which does not round the weights, keeps them.
 
 `pack_int4` puts what `quantize_int4` returns into the kernel's layout; `Int4Weights` holds
 one layer's packed weights, checked once, and its `linear` runs the kernel on x or returns
@@ -32,8 +41,9 @@ from specmoe.kernels import gemv
 from specmoe.kernels.build import LazyKernel, cpu_reason, load
 
 GROUP_SIZE = 32  # inputs per quantisation group: the only size the kernel takes
-MAX_ROWS = 16  # the most input rows the int4 kernel takes; more go through bf16 slices
-DEQUANT_SLICE_BYTES = 8 << 20  # bf16 weights dequantised at a time beyond MAX_ROWS rows
+MAX_ROWS = 16  # the most input rows of one int4 kernel call
+MAX_SPLIT_ROWS = 32  # up to this many rows: int4 kernel calls of <= MAX_ROWS rows each
+DEQUANT_SLICE_BYTES = 8 << 20  # bf16 weights dequantised at a time beyond MAX_SPLIT_ROWS
 _REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
 _X_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -159,14 +169,15 @@ class Int4Weights:
         """y = x @ W^T (+ bias), x rounded to bfloat16 first, fp32 accumulation; or None
         where the kernel does not apply.
 
-        Up to MAX_ROWS rows run the int4 kernel; more run `dequantized_linear` (weights
+        Up to MAX_SPLIT_ROWS rows run the int4 kernel (in calls of at most MAX_ROWS rows,
+        each row with the bits it gets alone); more run `dequantized_linear` (weights
         rounded to bf16, then our bf16 GEMM).
 
         Args:
             x: [..., in] bfloat16 or float32, contiguous, CPU.
         Returns:
             [..., out] in x's dtype (bf16 output rounded once, after the bias; beyond
-            MAX_ROWS rows always rounded to bf16), or None: kernels off or unavailable,
+            MAX_SPLIT_ROWS rows always rounded to bf16), or None: kernels off or unavailable,
             another device or dtype, non-contiguous x, no rows, or autograd needed. Raises
             nothing.
         """
@@ -179,8 +190,11 @@ class Int4Weights:
         kernel = _lazy.kernel or _lazy.get()
         if kernel is None:
             return None
-        if num_rows > MAX_ROWS:
+        if num_rows > MAX_SPLIT_ROWS:
             return dequantized_linear(kernel, self, x)
+        if num_rows > MAX_ROWS:
+            return _split_rows(kernel, self, x.view(num_rows, self.num_in)).view(
+                *x.shape[:-1], self.num_out)
         return run_kernel(kernel, self, x)
 
     def to_bf16(self, kernel, start: int, end: int, out: torch.Tensor) -> None:
@@ -188,26 +202,45 @@ class Int4Weights:
         `int4_dequantize(..., torch.bfloat16)` does, bit for bit.
 
         Raises:
-            ValueError: a row range outside [0, out_features] or an `out` that does not fit.
+            ValueError: a row range outside [0, out_features] or an `out` that does not fit
+                (not [end - start, in] contiguous bfloat16 on CPU).
         """
         if not 0 <= start <= end <= self.num_out:
             raise ValueError(f"rows [{start}, {end}) outside [0, {self.num_out}]")
-        if (out.dtype is not torch.bfloat16 or not out.is_contiguous()
+        if (out.dtype is not torch.bfloat16 or not out.is_cpu or not out.is_contiguous()
                 or out.shape != (end - start, self.num_in)):
-            raise ValueError(f"out must be [{end - start}, {self.num_in}] contiguous bfloat16, "
-                             f"got {out.dtype} {tuple(out.shape)}")
-        kernel.library.specmoe_int4_to_bf16(self._c, out.data_ptr(), start, end,
-                                            torch.get_num_threads())
+            raise ValueError(f"out must be [{end - start}, {self.num_in}] contiguous bfloat16 "
+                             f"on CPU, got {out.dtype} {tuple(out.shape)} on {out.device}")
+        status = kernel.library.specmoe_int4_to_bf16(self._c, out.data_ptr(), start, end,
+                                                     torch.get_num_threads())
+        assert status == 0, f"specmoe_int4_to_bf16 returned {status}"  # checked above
 
 
-def run_kernel(kernel, weights: Int4Weights, x: torch.Tensor) -> torch.Tensor | None:
+def run_kernel(kernel, weights: Int4Weights, x: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor | None:
     """Call a kernel from `load_kernel` on x already checked as `Int4Weights.linear` requires
-    (no checks here). Returns [..., out] in x's dtype, or None when the kernel could not
-    allocate its work space (nothing computed)."""
-    y = torch.empty(*x.shape[:-1], weights.num_out, dtype=x.dtype)  # [..., out]
+    (no checks here), at most MAX_ROWS rows; into `out` (contiguous, [..., out] in x's dtype)
+    if given. Returns [..., out] in x's dtype, or None when the kernel could not allocate its
+    work space (nothing computed)."""
+    y = torch.empty(*x.shape[:-1], weights.num_out, dtype=x.dtype) if out is None else out
     status = kernel(weights._c, x.data_ptr(), y.data_ptr(), x.numel() // weights.num_in,
                     x.dtype is torch.bfloat16, torch.get_num_threads())
     return y if status == 0 else None
+
+
+def _split_rows(kernel, weights: Int4Weights, x: torch.Tensor) -> torch.Tensor | None:
+    """x [T, in] with MAX_ROWS < T: kernel calls on balanced runs of at most MAX_ROWS rows
+    (e.g. 17 -> 9 + 8), each into its rows of y [T, out]; None if a call fails."""
+    num_rows = x.shape[0]
+    num_calls = -(-num_rows // MAX_ROWS)
+    y = torch.empty(num_rows, weights.num_out, dtype=x.dtype)
+    start = 0
+    for i in range(num_calls):
+        end = start + (num_rows - start) // (num_calls - i)
+        if run_kernel(kernel, weights, x[start:end], y[start:end]) is None:
+            return None
+        start = end
+    return y
 
 
 _slice = threading.local()  # per thread: its bf16 weight slice buffer
@@ -236,7 +269,7 @@ def dequantized_linear(kernel, weights: Int4Weights, x: torch.Tensor) -> torch.T
     k, n = weights.num_in, weights.num_out
     xb = x.reshape(-1, k).to(torch.bfloat16)  # [T, in]
     bias = None if weights.bias is None else weights.bias.to(torch.bfloat16)
-    rows = max(16, DEQUANT_SLICE_BYTES // (2 * k) // 16 * 16)
+    rows = min(n, max(16, DEQUANT_SLICE_BYTES // (2 * k) // 16 * 16))
     y = torch.empty(xb.shape[0], n, dtype=torch.bfloat16) if n > rows else None  # [T, out]
     for start in range(0, n, rows):
         end = min(n, start + rows)

@@ -2,12 +2,13 @@
 
 Decoding one token reads every weight once, so bytes per weight set the speed. These layers
 keep weights as int8 (symmetric, one scale per output channel) or int4 (asymmetric, one scale
-and offset per group of `group_size` inputs, as in GPTQ/AWQ-style group quantisation) and
-multiply with PyTorch's fused CPU kernels `aten._weight_int8pack_mm` and
-`aten._weight_int4pack_mm_for_cpu`; int4 with 1..16 input rows (decode) runs our own kernel
-`specmoe.kernels.gemv_int4` instead, which reads the weights at close to memory bandwidth
-(torch's reaches about half of it). Each has a plain-torch reference that dequantises and
-calls `F.linear`; other devices use the reference.
+and offset per group of `group_size` inputs, as in GPTQ/AWQ-style group quantisation). int8
+multiplies with PyTorch's fused CPU kernel `aten._weight_int8pack_mm`. int4 runs our own
+`specmoe.kernels.gemv_int4`: its int4 kernel for 1..32 input rows (decode, verification),
+reading the weights at close to memory bandwidth (torch's int4 kernel reaches about half of
+it), and bf16 slices of the weights through our bf16 GEMM for more rows (prefill); torch's
+`aten._weight_int4pack_mm_for_cpu` runs where ours cannot. Each has a plain-torch reference
+that dequantises and calls `F.linear`; other devices use the reference.
 
 The kernels are fast for bfloat16 activations only (float32 ones take a path ~25-50x slower),
 so activations are rounded to bfloat16 for the matmul and the result is cast back; the
@@ -75,8 +76,8 @@ class Int4Linear(nn.Module):
 
     On a CPU that can run our kernels, and with G = 32, the layer keeps the weights in the
     layout of `specmoe.kernels.gemv_int4` (`cpu_kernel`, a `gemv_int4.Int4Weights`, not a
-    buffer): its int4 kernel serves 1..16 input rows (decode, verification), and more rows
-    (prefill) run on bf16 slices of the weights through our bf16 GEMM, about twice as fast as
+    buffer): its int4 kernel serves 1..32 input rows (decode, verification), and more rows
+    (prefill) run on bf16 slices of the weights through our bf16 GEMM, up to twice as fast as
     torch's int4 kernel there. Elsewhere, or with our kernels off, torch's fused kernel runs:
     it takes q packed by `aten._convert_weight_to_int4pack_for_cpu` (a tiled layout) and
     `scales_and_zeros` [in / G, out, 2] holding (scale, min + 8 * scale), since it computes

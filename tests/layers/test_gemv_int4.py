@@ -150,8 +150,18 @@ def test_fallback_for_unsupported_inputs(enabled):
     assert weights.linear(x) is None
 
 
+@pytest.fixture
+def bf16_gemm():
+    """The bf16 GEMM that more than MAX_SPLIT_ROWS rows run on; skipped where it cannot be
+    built."""
+    reason = kernels.kernel_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"bf16 kernel unavailable: {reason}")
+
+
 def _dequantized_path(x, q, sz, b):
-    """What beyond MAX_ROWS rows computes: the bf16 GEMM on bf16-rounded weights and bias."""
+    """What beyond MAX_SPLIT_ROWS rows computes: the bf16 GEMM on bf16-rounded weights and
+    bias."""
     w = int4_dequantize(q, sz, 32, torch.bfloat16)
     y = kernels.try_linear_bf16(x.bfloat16(), w, None if b is None else b.bfloat16())
     return y.to(x.dtype)
@@ -175,15 +185,16 @@ def test_to_bf16_is_int4_dequantize_bit_for_bit(enabled):
 
 @pytest.mark.parametrize("k,n", [(96, 5), (896, 131), (4864, 37)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_many_rows_run_the_bf16_gemm_on_dequantized_slices(enabled, monkeypatch, k, n, bias):
-    """Beyond MAX_ROWS rows: slices of bf16 weights through the bf16 GEMM (several slices
-    here, the slice size made small), bit for bit what the whole bf16 weight gives, and close
-    to the fp32 reference."""
+def test_many_rows_run_the_bf16_gemm_on_dequantized_slices(enabled, bf16_gemm, monkeypatch,
+                                                           k, n, bias):
+    """Beyond MAX_SPLIT_ROWS rows: slices of bf16 weights through the bf16 GEMM (several
+    slices here, the slice size made small), bit for bit what the whole bf16 weight gives,
+    and close to the fp32 reference."""
     q, sz = _int4(k, n, seed=n)
     b = torch.randn(n) if bias else None
     weights = gemv_int4.Int4Weights(*gemv_int4.pack_int4(q, sz), b)
     monkeypatch.setattr(gemv_int4, "DEQUANT_SLICE_BYTES", 16 * 2 * k)  # 16 rows a slice
-    for t, dtype in [(17, torch.bfloat16), (40, torch.float32), (100, torch.bfloat16)]:
+    for t, dtype in [(33, torch.bfloat16), (40, torch.float32), (100, torch.bfloat16)]:
         x = torch.randn(1, t, k, generator=torch.Generator().manual_seed(t)).to(dtype)
         y = weights.linear(x)
         assert y is not None and y.dtype == dtype and y.shape == (1, t, n)
@@ -198,10 +209,10 @@ def test_many_rows_run_the_bf16_gemm_on_dequantized_slices(enabled, monkeypatch,
         assert (err <= 2 ** -9 * bound + 2 ** -8 * ref.abs() + 1e-5).all()
 
 
-def test_layer_uses_kernel_for_decode_and_torch_beyond(enabled):
-    """Int4Linear: 1..16 rows through our int4 kernel, more through bf16 slices of the
-    weights; with our kernels switched off, torch's `_weight_int4pack_mm_for_cpu`; all agree
-    with the reference."""
+def test_layer_uses_kernel_for_decode_and_torch_beyond(enabled, bf16_gemm, monkeypatch):
+    """Int4Linear: 1..32 rows through our int4 kernel, more through bf16 slices of the
+    weights; with our kernels switched off, or the bf16 GEMM unavailable beyond 32 rows,
+    torch's `_weight_int4pack_mm_for_cpu`; all agree with the reference."""
     w, b = torch.randn(192, 896) * 0.05, torch.randn(192)
     q, sz = quantize_int4(w, 32)
     layer = Int4Linear(q, sz, 32, b)
@@ -213,14 +224,21 @@ def test_layer_uses_kernel_for_decode_and_torch_beyond(enabled):
         return y + b.to(x.dtype)
 
     tol = 3e-2  # torch's path rounds its output (and the bias sum) to bf16
-    for t in (1, 5, 16, 17):
+    for t in (1, 5, 16, 17, 32, 33):
         x = torch.randn(t, 896)
         y = layer(x)
         if t <= gemv_int4.MAX_ROWS:
-            assert torch.equal(y, layer.cpu_kernel.linear(x))
+            assert torch.equal(y, gemv_int4.run_kernel(gemv_int4._lazy.get(), layer.cpu_kernel, x))
+        elif t <= gemv_int4.MAX_SPLIT_ROWS:
+            assert torch.equal(y, torch.cat([layer(x[:t // 2]), layer(x[t // 2:])]))
         else:
             assert torch.equal(y, _dequantized_path(x, q, sz, b))
         torch.testing.assert_close(y, int4_linear_reference(x, q, sz, 32, b), atol=tol, rtol=tol)
+    x = torch.randn(40, 896)
+    monkeypatch.setattr(kernels.gemv, "kernel_unavailable_reason", lambda: "no bf16 GEMM")
+    assert layer.cpu_kernel.linear(x) is None
+    assert torch.equal(layer(x), torch_path(x))
+    assert torch.equal(layer(x[:20]), layer.cpu_kernel.linear(x[:20]))  # int4 kernel still
     kernels.set_enabled(False)
     for t in (3, 17):
         x = torch.randn(t, 896)
@@ -261,14 +279,14 @@ def test_int4_model_same_greedy_tokens_kernel_on_and_off(enabled, tiny_dir, monk
     for is_on in (True, False):
         kernels.set_enabled(is_on)
         cache = runner.new_cache(64)
-        runner.forward(cache, list(range(3, 20)))  # prefill: 17 rows, torch's kernel
+        runner.forward(cache, list(range(3, 40)))  # prefill: 37 rows, bf16 slices
         logits[is_on] = runner.forward(cache, [21]).float()  # decode: 1 row
     tol = 2e-2 if dtype == "bfloat16" else 1e-2
     torch.testing.assert_close(logits[True], logits[False], atol=tol, rtol=tol)
 
 
 def test_speculation_on_a_quantised_target_warns_that_it_may_not_be_lossless(tiny_dir, caplog):
-    """The int4 kernel is batch-invariant only up to 16 rows (beyond, torch's kernel runs), so
+    """The int4 path is batch-invariant only up to 32 rows (beyond, bf16 slices run), so
     speculation on an int4 target can change a greedy near-tie when forwards grow past that:
     LLM says so when both are asked for, and only then."""
     from specmoe import LLM
@@ -283,26 +301,28 @@ def test_speculation_on_a_quantised_target_warns_that_it_may_not_be_lossless(tin
 @pytest.mark.parametrize("in_features", [896, 4864])  # 4864: x > 32 KB from 4 rows, K chunked
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_rows_are_batch_invariant_bit_for_bit(enabled, in_features, dtype):
-    """Each row of x gets the same output bits in a call of 1 to 16 rows, at any position:
+    """Each row of x gets the same output bits in a call of 1 to 32 rows, at any position:
     speculative verification on an int4 target gives each token what decoding it alone
-    gives (the order of the sums does not depend on the number of rows or on K's chunks)."""
+    gives (the order of the sums does not depend on the number of rows or on K's chunks;
+    17-32 rows are two kernel calls)."""
     torch.manual_seed(0)
     w = torch.randn(128, in_features) * 0.05
     q, sz = quantize_int4(w, 32)
     layer = Int4Linear(q, sz, 32, torch.randn(128))
     bits = torch.int16 if dtype is torch.bfloat16 else torch.int32
-    x = torch.randn(16, in_features).to(dtype)
-    alone = torch.cat([layer.cpu_kernel.linear(x[i:i + 1]) for i in range(16)]).view(bits)
-    for t in (2, 3, 5, 9, 16):
+    x = torch.randn(32, in_features).to(dtype)
+    alone = torch.cat([layer.cpu_kernel.linear(x[i:i + 1]) for i in range(32)]).view(bits)
+    for t in (2, 3, 5, 9, 16, 17, 25, 32):
         assert torch.equal(layer.cpu_kernel.linear(x[:t]).view(bits), alone[:t]), t
     reversed_rows = layer.cpu_kernel.linear(x.flip(0)).flip(0).view(bits)
     assert torch.equal(reversed_rows, alone)
 
 
 def test_int4_target_speculation_gives_the_tokens_of_plain_decoding(enabled, tiny_dir):
-    """Greedy n-gram speculation on an int4 target, one request at a time (forwards of at
-    most 16 rows): the same tokens as plain decoding on 30 random repeated prompts (with the
-    kernel's former row-pair order, 2 of them diverged at a near-tie)."""
+    """Greedy n-gram speculation on an int4 target, one request at a time and 4 at a time
+    (verification forwards of at most 7 and 28 rows): the same tokens as plain decoding on
+    30 random repeated prompts (with the kernel's former row-pair order, 2 of them diverged
+    at a near-tie one at a time)."""
     import random
 
     from specmoe import LLM, SamplingParams
@@ -316,3 +336,7 @@ def test_int4_target_speculation_gives_the_tokens_of_plain_decoding(enabled, tin
               if spec.generate([p], sp)[0].token_ids != plain.generate([p], sp)[0].token_ids]
     assert differ == []
     assert spec.engine.stats.spec.num_drafts > 0
+    for i in range(0, 28, 4):  # the same prefill forwards in both: compare batch to batch
+        group = prompts[i:i + 4]
+        tokens = [[o.token_ids for o in llm.generate(group, sp)] for llm in (spec, plain)]
+        assert tokens[0] == tokens[1], i
