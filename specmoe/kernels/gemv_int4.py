@@ -193,8 +193,8 @@ class Int4Weights:
         if num_rows > MAX_SPLIT_ROWS:
             return dequantized_linear(kernel, self, x)
         if num_rows > MAX_ROWS:
-            return _split_rows(kernel, self, x.view(num_rows, self.num_in)).view(
-                *x.shape[:-1], self.num_out)
+            y = _split_rows(kernel, self, x.view(num_rows, self.num_in))
+            return None if y is None else y.view(*x.shape[:-1], self.num_out)
         return run_kernel(kernel, self, x)
 
     def to_bf16(self, kernel, start: int, end: int, out: torch.Tensor) -> None:
@@ -213,7 +213,8 @@ class Int4Weights:
                              f"on CPU, got {out.dtype} {tuple(out.shape)} on {out.device}")
         status = kernel.library.specmoe_int4_to_bf16(self._c, out.data_ptr(), start, end,
                                                      torch.get_num_threads())
-        assert status == 0, f"specmoe_int4_to_bf16 returned {status}"  # checked above
+        if status != 0:  # the checks above rule it out
+            raise RuntimeError(f"specmoe_int4_to_bf16 rejected rows [{start}, {end}): {status}")
 
 
 def run_kernel(kernel, weights: Int4Weights, x: torch.Tensor,

@@ -245,6 +245,20 @@ def test_layer_uses_kernel_for_decode_and_torch_beyond(enabled, bf16_gemm, monke
         assert torch.equal(layer(x), torch_path(x))
 
 
+def test_a_failed_kernel_call_falls_back_to_torch(enabled, monkeypatch):
+    """A kernel call that cannot allocate its work space (simulated) makes `linear` return
+    None for one call and for a split one, and the layer then runs torch's kernel."""
+    q, sz = quantize_int4(torch.randn(64, 896) * 0.05, 32)
+    layer = Int4Linear(q, sz, 32, None)
+    monkeypatch.setattr(gemv_int4, "run_kernel", lambda *args: None)
+    for t in (3, 20):
+        x = torch.randn(t, 896).bfloat16()
+        assert layer.cpu_kernel.linear(x) is None
+        expected = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.packed, 32,
+                                                              layer.scales_and_zeros)
+        assert torch.equal(layer(x), expected)
+
+
 def _count_kernel_calls(monkeypatch) -> list[int]:
     calls = [0]
     run = gemv_int4.run_kernel
