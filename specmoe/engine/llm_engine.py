@@ -14,6 +14,7 @@ import torch
 from specmoe.config import EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from specmoe.engine.core import EngineCore
 from specmoe.engine.output_processor import OutputProcessor
+from specmoe.layers.quantization import speculation_caveat
 from specmoe.loader.model_loader import load_model
 from specmoe.outputs import RequestOutput
 from specmoe.request import Request
@@ -83,14 +84,12 @@ class LLM:
 
     def _attach_proposer(self, speculative: SpeculativeConfig | None) -> None:
         self.config = dataclasses.replace(self.config, speculative=speculative)
-        quantization = self.config.model.quantization
-        if speculative is not None and quantization is not None:
+        caveat = speculation_caveat(self.config.model.quantization)
+        if speculative is not None and caveat is not None:
             logger.warning(
-                "speculative decoding on a target quantised to %s: %s, so greedy outputs may differ from "
-                "plain decoding at near-ties (bfloat16 and float32 targets give identical "
-                "tokens)", quantization, "its kernel sums a token's outputs in one order "
-                "only up to 32 rows per forward (e.g. 4 requests with K <= 7)"
-                if quantization == "int4" else "its kernel (torch's) is not batch-invariant")
+                "speculative decoding on a target quantised to %s: %s, so greedy outputs may "
+                "differ from plain decoding at near-ties (bfloat16 and float32 targets give "
+                "identical tokens)", self.config.model.quantization, caveat)
         sched = self.config.scheduler
         num_blocks = _num_kv_blocks(sched, self.target)
         self.proposer = None if speculative is None else build_proposer(

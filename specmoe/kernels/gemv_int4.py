@@ -21,6 +21,13 @@ output: far below the int4 grid for ordinary groups, but a group whose values si
 common offset (range well under 2^-7 of its magnitude) loses its int4 levels, where torch's
 int4 kernel, which does not round the weights, keeps them.
 
+`set_batch_invariant(True)` (or SPECMOE_INT4_BATCH_INVARIANT=1 in the environment) runs every
+number of rows as int4 kernel calls of at most MAX_ROWS rows instead: each row then has the
+bits it gets alone in any forward, so greedy speculation on an int4 target gives the tokens
+of plain decoding at any batch size and with chunked prefills, and no weight is rounded to
+bf16; prefill runs at ~420-450 GF/s (Qwen2.5-1.5B matrices, from memory) instead of the
+slices' 520-740 (torch's int4 kernel: ~340).
+
 `pack_int4` puts what `quantize_int4` returns into the kernel's layout; `Int4Weights` holds
 one layer's packed weights, checked once, and its `linear` runs the kernel on x or returns
 None where the kernel does not apply (the caller then runs torch's kernel or the plain-torch
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import threading
 
 import torch
@@ -44,6 +52,8 @@ GROUP_SIZE = 32  # inputs per quantisation group: the only size the kernel takes
 MAX_ROWS = 16  # the most input rows of one int4 kernel call
 MAX_SPLIT_ROWS = 32  # up to this many rows: int4 kernel calls of <= MAX_ROWS rows each
 DEQUANT_SLICE_BYTES = 8 << 20  # bf16 weights dequantised at a time beyond MAX_SPLIT_ROWS
+BATCH_INVARIANT_ENV = "SPECMOE_INT4_BATCH_INVARIANT"
+_batch_invariant = os.environ.get(BATCH_INVARIANT_ENV, "").strip().lower() in ("1", "true", "yes")
 _REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
 _X_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -86,6 +96,18 @@ def load_kernel(extra_flags: tuple[str, ...] = ()):
 
 
 _lazy = LazyKernel(load_kernel, "CPU int4 linear kernel unavailable, using torch's int4 kernel")
+
+
+def set_batch_invariant(enabled: bool) -> None:
+    """Run every number of rows as int4 kernel calls of at most MAX_ROWS rows (True), or more
+    than MAX_SPLIT_ROWS rows on bf16 slices of the weights (False, the default; the
+    environment variable SPECMOE_INT4_BATCH_INVARIANT=1 sets the initial state to True)."""
+    global _batch_invariant
+    _batch_invariant = bool(enabled)
+
+
+def is_batch_invariant() -> bool:
+    return _batch_invariant
 
 
 # None when the kernel is built and loaded (building it now if needed), else why not; the
@@ -169,15 +191,15 @@ class Int4Weights:
         """y = x @ W^T (+ bias), x rounded to bfloat16 first, fp32 accumulation; or None
         where the kernel does not apply.
 
-        Up to MAX_SPLIT_ROWS rows run the int4 kernel (in calls of at most MAX_ROWS rows,
-        each row with the bits it gets alone); more run `dequantized_linear` (weights
-        rounded to bf16, then our bf16 GEMM).
+        Up to MAX_SPLIT_ROWS rows (any number with `set_batch_invariant(True)`) run the
+        int4 kernel, in calls of at most MAX_ROWS rows, each row with the bits it gets
+        alone; more run `dequantized_linear` (weights rounded to bf16, then our bf16 GEMM).
 
         Args:
             x: [..., in] bfloat16 or float32, contiguous, CPU.
         Returns:
-            [..., out] in x's dtype (bf16 output rounded once, after the bias; beyond
-            MAX_SPLIT_ROWS rows always rounded to bf16), or None: kernels off or unavailable,
+            [..., out] in x's dtype (bf16 output rounded once, after the bias; on bf16
+            slices always rounded to bf16), or None: kernels off or unavailable,
             another device or dtype, non-contiguous x, no rows, or autograd needed. Raises
             nothing.
         """
@@ -190,7 +212,7 @@ class Int4Weights:
         kernel = _lazy.kernel or _lazy.get()
         if kernel is None:
             return None
-        if num_rows > MAX_SPLIT_ROWS:
+        if num_rows > MAX_SPLIT_ROWS and not _batch_invariant:
             return dequantized_linear(kernel, self, x)
         if num_rows > MAX_ROWS:
             y = _split_rows(kernel, self, x.view(num_rows, self.num_in))
@@ -231,7 +253,8 @@ def run_kernel(kernel, weights: Int4Weights, x: torch.Tensor,
 
 def _split_rows(kernel, weights: Int4Weights, x: torch.Tensor) -> torch.Tensor | None:
     """x [T, in] with MAX_ROWS < T: kernel calls on balanced runs of at most MAX_ROWS rows
-    (e.g. 17 -> 9 + 8), each into its rows of y [T, out]; None if a call fails."""
+    (e.g. 17 -> 9 + 8, 40 -> 14 + 13 + 13), each into its rows of y [T, out]; None if a
+    call fails."""
     num_rows = x.shape[0]
     num_calls = -(-num_rows // MAX_ROWS)
     y = torch.empty(num_rows, weights.num_out, dtype=x.dtype)

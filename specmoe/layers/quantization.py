@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specmoe.config import QUANTIZATION_METHODS
-from specmoe.kernels import gemv_int4
+from specmoe.kernels import gemv, gemv_int4
 
 INT4_GROUP_SIZE = 32
 _INT4_N_ALIGN = 64  # the CPU int4 kernel works on tiles of output channels
@@ -168,6 +168,23 @@ def int4_linear_reference(x: torch.Tensor, q: torch.Tensor, scales_and_zeros: to
     w = int4_dequantize(q, scales_and_zeros, group_size, torch.float32)
     y = F.linear(x.to(KERNEL_DTYPE).float(), w).to(x.dtype)
     return y if bias is None else y + bias
+
+
+def speculation_caveat(method: str | None) -> str | None:
+    """Why greedy speculative decoding on a target quantised by `method` may not give the
+    tokens of plain decoding (its kernels' sums change order with the rows in a forward), or
+    None where they cannot: no quantisation, or int4 on our kernels in batch-invariant mode
+    (`gemv_int4.set_batch_invariant`)."""
+    if method is None:
+        return None
+    if method != "int4":
+        return "its kernel (torch's) is not batch-invariant"
+    if (gemv_int4.is_batch_invariant() and gemv.is_enabled()
+            and gemv_int4.cpu_unsupported_reason() is None):
+        return None
+    return (f"its kernel sums a token's outputs in one order only up to "
+            f"{gemv_int4.MAX_SPLIT_ROWS} rows per forward (e.g. 4 requests with K <= 7; "
+            f"{gemv_int4.BATCH_INVARIANT_ENV}=1: any number, slower prefill)")
 
 
 def can_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> bool:

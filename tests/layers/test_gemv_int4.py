@@ -159,6 +159,15 @@ def bf16_gemm():
         pytest.skip(f"bf16 kernel unavailable: {reason}")
 
 
+@pytest.fixture
+def batch_invariant():
+    """gemv_int4's batch-invariant mode on for one test."""
+    was = gemv_int4.is_batch_invariant()
+    gemv_int4.set_batch_invariant(True)
+    yield
+    gemv_int4.set_batch_invariant(was)
+
+
 def _dequantized_path(x, q, sz, b):
     """What beyond MAX_SPLIT_ROWS rows computes: the bf16 GEMM on bf16-rounded weights and
     bias."""
@@ -310,6 +319,16 @@ def test_speculation_on_a_quantised_target_warns_that_it_may_not_be_lossless(tin
         llm.with_speculative({"method": "ngram"})
     assert len(caplog.records) == 1
     assert "quantised to int4" in caplog.records[0].getMessage()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="specmoe.engine.llm_engine"):
+        was = gemv_int4.is_batch_invariant()
+        gemv_int4.set_batch_invariant(True)
+        try:
+            llm.with_speculative({"method": "ngram"})
+        finally:
+            gemv_int4.set_batch_invariant(was)
+    expected = 0 if gemv_int4.cpu_unsupported_reason() is None and kernels.is_enabled() else 1
+    assert len(caplog.records) == expected  # batch-invariant mode: lossless at any size
 
 
 @pytest.mark.parametrize("in_features", [896, 4864])  # 4864: x > 32 KB from 4 rows, K chunked
@@ -330,6 +349,20 @@ def test_kernel_rows_are_batch_invariant_bit_for_bit(enabled, in_features, dtype
         assert torch.equal(layer.cpu_kernel.linear(x[:t]).view(bits), alone[:t]), t
     reversed_rows = layer.cpu_kernel.linear(x.flip(0)).flip(0).view(bits)
     assert torch.equal(reversed_rows, alone)
+
+
+def test_batch_invariant_mode_keeps_every_row_s_bits_at_any_row_count(enabled, batch_invariant):
+    """In batch-invariant mode 33-100 rows run as int4 kernel calls too: each row has the bits
+    it gets alone (the default mode's bf16 slices do not)."""
+    torch.manual_seed(0)
+    q, sz = quantize_int4(torch.randn(128, 896) * 0.05, 32)
+    layer = Int4Linear(q, sz, 32, torch.randn(128))
+    x = torch.randn(100, 896).bfloat16()
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(100)]).view(torch.int16)
+    for t in (33, 64, 100):
+        assert torch.equal(layer(x[:t]).view(torch.int16), alone[:t]), t
+    gemv_int4.set_batch_invariant(False)
+    assert not torch.equal(layer(x).view(torch.int16), alone)
 
 
 def test_int4_target_speculation_gives_the_tokens_of_plain_decoding(enabled, tiny_dir):
@@ -354,3 +387,23 @@ def test_int4_target_speculation_gives_the_tokens_of_plain_decoding(enabled, tin
         group = prompts[i:i + 4]
         tokens = [[o.token_ids for o in llm.generate(group, sp)] for llm in (spec, plain)]
         assert tokens[0] == tokens[1], i
+
+
+def test_int4_speculation_in_batch_invariant_mode_is_lossless_for_large_batches(
+        enabled, batch_invariant, tiny_dir):
+    """Batch-invariant mode: 12 requests at a time verify 84 rows per forward and prefill
+    together, yet speculation gives the tokens of plain decoding."""
+    import random
+
+    from specmoe import LLM, SamplingParams
+    plain = LLM(tiny_dir, dtype="bfloat16", quantization="int4")
+    spec = plain.with_speculative({"method": "ngram", "num_speculative_tokens": 6})
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    rnd = random.Random(1)
+    prompts = [[rnd.randrange(3, 250) for _ in range(rnd.randrange(3, 12))] * 2
+               for _ in range(24)]
+    for i in range(0, 24, 12):
+        group = prompts[i:i + 12]
+        assert ([o.token_ids for o in spec.generate(group, sp)]
+                == [o.token_ids for o in plain.generate(group, sp)]), i
+    assert spec.engine.stats.spec.num_drafts > 0
