@@ -16,6 +16,12 @@ def write_report(results: dict, out_dir: Path) -> list[Path]:
     return paths
 
 
+def _int4_mode(cfg: dict, results: dict) -> str:
+    """', int4 batch-invariant mode' when an int4 run had it on (SPECMOE_INT4_BATCH_INVARIANT)."""
+    int4 = "int4" in (cfg.get("quantization"), cfg.get("draft_quantization"))
+    return ", int4 batch-invariant mode" if int4 and results.get("int4_batch_invariant") else ""
+
+
 def markdown(results: dict) -> str:
     cfg, rf = results["config"], results["roofline"]
     proposers = {"draft": f"draft {cfg['draft']} ({cfg['draft_quantization'] or cfg['dtype']})",
@@ -23,7 +29,8 @@ def markdown(results: dict) -> str:
     lines = [f"# Speculative decoding: {cfg['target']} with "
              + " and ".join(proposers[p] for p in cfg.get("proposers", proposers)),
              "", f"target {cfg.get('quantization') or cfg['dtype']} (activations "
-             f"{cfg['dtype']}), {cfg['max_tokens']} tokens per prompt (EOS ignored), "
+             f"{cfg['dtype']}{_int4_mode(cfg, results)}), {cfg['max_tokens']} tokens per "
+             "prompt (EOS ignored), "
              f"{cfg['num_prompts']} prompts per data set (Spec-Bench: per category); "
              f"total {results['total_seconds'] / 60:.1f} min.", "",
              "## Best K per data set (greedy)", "", *best_table(results["rows"]), "",

@@ -199,8 +199,10 @@ def run_spec_bench(cfg: SpecBenchConfig) -> dict:
     prompts = build_prompts(cfg, engines["plain"])
     runs = run_sweep(cfg, engines, prompts)
     rows = aggregate(runs)
+    from specmoe.kernels import gemv_int4
     results = {"config": dataclasses.asdict(cfg), "load_seconds": load_s, "rows": rows,
-               "roofline": roofline(engines["plain"], runs), "runs": runs}
+               "roofline": roofline(engines["plain"], runs), "runs": runs,
+               "int4_batch_invariant": gemv_int4.is_batch_invariant()}
     if cfg.peers:
         results["peers"] = run_peers(cfg, engines, prompts, rows)
     results["total_seconds"] = time.perf_counter() - t0

@@ -16,6 +16,15 @@ def write_report(results: dict, out_dir: Path) -> list[Path]:
     return paths
 
 
+def _weights(cfg: dict, env: dict) -> str:
+    """', int4 target weights' (plus the int4 batch-invariant mode when it was on), or ''."""
+    parts = [f"{q} {who} weights" for who, q in (("target", cfg.get("quantization")),
+                                                 ("draft", cfg.get("draft_quantization"))) if q]
+    if env.get("int4_batch_invariant") and any(p.startswith("int4") for p in parts):
+        parts.append("int4 batch-invariant mode")
+    return "".join(f", {p}" for p in parts)
+
+
 def markdown(results: dict) -> str:
     cfg, env = results["config"], results["environment"]
     spec = "n-gram" if cfg["draft"] == "ngram" else f"draft {cfg['draft']}"
@@ -24,7 +33,8 @@ def markdown(results: dict) -> str:
         "" if cfg["draft"] == "none" else f" vs {spec} (K={cfg['num_speculative_tokens']}"
         + (f", paused from {pause} running requests" if pause else "") + ")")
     lines = [title, "",
-             f"{cfg['dtype']}, greedy, {cfg['max_tokens']} tokens per request (EOS ignored), "
+             f"{cfg['dtype']}{_weights(cfg, env)}, greedy, {cfg['max_tokens']} tokens per "
+             "request (EOS ignored), "
              f"prompts from {', '.join(cfg['datasets'])} (chat template; lengths "
              f"{_lengths(results['prompts'])} tokens); a run at C < {cfg['num_requests']} "
              f"processes the same {cfg['num_requests']} requests in waves of C, a run at a "

@@ -177,6 +177,11 @@ def test_markdown_and_files(runs, tmp_path):
     assert all(p.stat().st_size > 0 for p in paths)
     reloaded = json.loads(paths[0].read_text())
     assert markdown(reloaded) == md  # the report can be rebuilt from the JSON file
+    assert "float32, greedy" in md  # no quantised weights named
+    results["config"] |= {"quantization": "int4", "draft_quantization": "int8"}
+    results["environment"]["int4_batch_invariant"] = True
+    assert ("float32, int4 target weights, int8 draft weights, int4 batch-invariant mode, "
+            "greedy") in markdown(results)
 
 
 def test_caveats(runs):
