@@ -365,45 +365,48 @@ def test_batch_invariant_mode_keeps_every_row_s_bits_at_any_row_count(enabled, b
     assert not torch.equal(layer(x).view(torch.int16), alone)
 
 
+def _int4_ngram_pair(tiny_dir, num_prompts: int, seed: int):
+    """(plain, n-gram K=6 speculative) LLMs over one int4 tiny target, and `num_prompts`
+    random prompts repeated once (so n-gram lookup finds drafts)."""
+    import random
+
+    from specmoe import LLM
+    plain = LLM(tiny_dir, dtype="bfloat16", quantization="int4")
+    spec = plain.with_speculative({"method": "ngram", "num_speculative_tokens": 6})
+    rnd = random.Random(seed)
+    prompts = [[rnd.randrange(3, 250) for _ in range(rnd.randrange(3, 12))] * 2
+               for _ in range(num_prompts)]
+    return plain, spec, prompts
+
+
+def _same_tokens_in_groups(plain, spec, prompts, size: int, sp) -> None:
+    """Each group of `size` prompts, generated together, gives the same tokens with and
+    without speculation (both run the group's prompts in the same prefill forwards)."""
+    for i in range(0, len(prompts) - size + 1, size):
+        group = prompts[i:i + size]
+        tokens = [[o.token_ids for o in llm.generate(group, sp)] for llm in (spec, plain)]
+        assert tokens[0] == tokens[1], i
+
+
 def test_int4_target_speculation_gives_the_tokens_of_plain_decoding(enabled, tiny_dir):
     """Greedy n-gram speculation on an int4 target, one request at a time and 4 at a time
     (verification forwards of at most 7 and 28 rows): the same tokens as plain decoding on
     30 random repeated prompts (with the kernel's former row-pair order, 2 of them diverged
     at a near-tie one at a time)."""
-    import random
-
-    from specmoe import LLM, SamplingParams
-    plain = LLM(tiny_dir, dtype="bfloat16", quantization="int4")
-    spec = plain.with_speculative({"method": "ngram", "num_speculative_tokens": 6})
+    from specmoe import SamplingParams
+    plain, spec, prompts = _int4_ngram_pair(tiny_dir, 30, seed=0)
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    rnd = random.Random(0)
-    prompts = [[rnd.randrange(3, 250) for _ in range(rnd.randrange(3, 12))] * 2
-               for _ in range(30)]
-    differ = [i for i, p in enumerate(prompts)
-              if spec.generate([p], sp)[0].token_ids != plain.generate([p], sp)[0].token_ids]
-    assert differ == []
+    _same_tokens_in_groups(plain, spec, prompts, 1, sp)
     assert spec.engine.stats.spec.num_drafts > 0
-    for i in range(0, 28, 4):  # the same prefill forwards in both: compare batch to batch
-        group = prompts[i:i + 4]
-        tokens = [[o.token_ids for o in llm.generate(group, sp)] for llm in (spec, plain)]
-        assert tokens[0] == tokens[1], i
+    _same_tokens_in_groups(plain, spec, prompts, 4, sp)
 
 
 def test_int4_speculation_in_batch_invariant_mode_is_lossless_for_large_batches(
         enabled, batch_invariant, tiny_dir):
     """Batch-invariant mode: 12 requests at a time verify 84 rows per forward and prefill
     together, yet speculation gives the tokens of plain decoding."""
-    import random
-
-    from specmoe import LLM, SamplingParams
-    plain = LLM(tiny_dir, dtype="bfloat16", quantization="int4")
-    spec = plain.with_speculative({"method": "ngram", "num_speculative_tokens": 6})
-    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    rnd = random.Random(1)
-    prompts = [[rnd.randrange(3, 250) for _ in range(rnd.randrange(3, 12))] * 2
-               for _ in range(24)]
-    for i in range(0, 24, 12):
-        group = prompts[i:i + 12]
-        assert ([o.token_ids for o in spec.generate(group, sp)]
-                == [o.token_ids for o in plain.generate(group, sp)]), i
+    from specmoe import SamplingParams
+    plain, spec, prompts = _int4_ngram_pair(tiny_dir, 24, seed=1)
+    _same_tokens_in_groups(plain, spec, prompts, 12,
+                           SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
     assert spec.engine.stats.spec.num_drafts > 0
