@@ -287,7 +287,7 @@ def run_throughput_bench(cfg: ThroughputBenchConfig) -> dict:
     from specmoe.kernels import gemv_int4
     env = {"torch_num_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
            "load_average_start": os.getloadavg()[0], "torch_version": torch.__version__,
-           "int4_batch_invariant": gemv_int4.is_batch_invariant()}
+           "int4_batch_invariant": gemv_int4.batch_invariant_in_effect()}
     engines = build_engines(cfg)
     load_s = time.perf_counter() - t0
     prompts = build_prompts(cfg, engines["plain"])

@@ -17,10 +17,11 @@ def write_report(results: dict, out_dir: Path) -> list[Path]:
 
 
 def _weights(cfg: dict, env: dict) -> str:
-    """', int4 target weights' (plus the int4 batch-invariant mode when it was on), or ''."""
+    """', int4 target weights' (plus the int4 batch-invariant mode when an int4 target ran in
+    it), or ''."""
     parts = [f"{q} {who} weights" for who, q in (("target", cfg.get("quantization")),
                                                  ("draft", cfg.get("draft_quantization"))) if q]
-    if env.get("int4_batch_invariant") and any(p.startswith("int4") for p in parts):
+    if env.get("int4_batch_invariant") and cfg.get("quantization") == "int4":
         parts.append("int4 batch-invariant mode")
     return "".join(f", {p}" for p in parts)
 

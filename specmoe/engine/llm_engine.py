@@ -84,8 +84,9 @@ class LLM:
 
     def _attach_proposer(self, speculative: SpeculativeConfig | None) -> None:
         self.config = dataclasses.replace(self.config, speculative=speculative)
-        caveat = speculation_caveat(self.config.model.quantization)
-        if speculative is not None and caveat is not None:
+        caveat = (speculation_caveat(self.target.model)
+                  if speculative is not None and self.config.model.quantization else None)
+        if caveat is not None:
             logger.warning(
                 "speculative decoding on a target quantised to %s: %s, so greedy outputs may "
                 "differ from plain decoding at near-ties (bfloat16 and float32 targets give "

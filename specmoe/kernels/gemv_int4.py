@@ -15,7 +15,7 @@ the alternative below (from memory, Qwen2.5-1.5B matrices: up to 1.26x faster at
 With more rows the multiplies set the pace, and torch's int4 kernel runs at about half of our
 bf16 GEMM's rate (`specmoe.kernels.gemv`); so there the weights are dequantised to bf16, a
 slice of at most `DEQUANT_SLICE_BYTES` at a time (it stays in the last-level cache), and
-multiplied by that GEMM: 1.3-1.7x torch's int4 kernel at 33-64 rows, 2.0-2.3x at 150
+multiplied by that GEMM: 1.4-2.0x torch's int4 kernel at 32-64 rows, 1.7-2.3x at 150
 (bench/bench_int4.py). Rounding the weights to bf16 errs by up to 2^-9 |x| . |W| per
 output: far below the int4 grid for ordinary groups, but a group whose values sit on a large
 common offset (range well under 2^-7 of its magnitude) loses its int4 levels, where torch's
@@ -107,7 +107,14 @@ def set_batch_invariant(enabled: bool) -> None:
 
 
 def is_batch_invariant() -> bool:
+    """Whether the batch-invariant mode is on (see `set_batch_invariant`)."""
     return _batch_invariant
+
+
+def batch_invariant_in_effect() -> bool:
+    """The mode is on and our int4 kernel runs (kernels on, the kernel built): what a report
+    should record, building the kernel if needed."""
+    return _batch_invariant and gemv._enabled and kernel_unavailable_reason() is None
 
 
 # None when the kernel is built and loaded (building it now if needed), else why not; the
@@ -191,9 +198,10 @@ class Int4Weights:
         """y = x @ W^T (+ bias), x rounded to bfloat16 first, fp32 accumulation; or None
         where the kernel does not apply.
 
-        Up to MAX_SPLIT_ROWS rows (any number with `set_batch_invariant(True)`) run the
-        int4 kernel, in calls of at most MAX_ROWS rows, each row with the bits it gets
-        alone; more run `dequantized_linear` (weights rounded to bf16, then our bf16 GEMM).
+        Up to MAX_SPLIT_ROWS rows (any number with `set_batch_invariant(True)`, or where
+        the bf16 GEMM is unavailable) run the int4 kernel, in calls of at most MAX_ROWS
+        rows, each row with the bits it gets alone; more run `dequantized_linear` (weights
+        rounded to bf16, then our bf16 GEMM).
 
         Args:
             x: [..., in] bfloat16 or float32, contiguous, CPU.
@@ -213,7 +221,9 @@ class Int4Weights:
         if kernel is None:
             return None
         if num_rows > MAX_SPLIT_ROWS and not _batch_invariant:
-            return dequantized_linear(kernel, self, x)
+            y = dequantized_linear(kernel, self, x)
+            if y is not None:
+                return y  # else (no bf16 GEMM) int4 kernel calls, as in batch-invariant mode
         if num_rows > MAX_ROWS:
             y = _split_rows(kernel, self, x.view(num_rows, self.num_in))
             return None if y is None else y.view(*x.shape[:-1], self.num_out)
@@ -253,7 +263,7 @@ def run_kernel(kernel, weights: Int4Weights, x: torch.Tensor,
 
 def _split_rows(kernel, weights: Int4Weights, x: torch.Tensor) -> torch.Tensor | None:
     """x [T, in] with MAX_ROWS < T: kernel calls on balanced runs of at most MAX_ROWS rows
-    (e.g. 17 -> 9 + 8, 40 -> 14 + 13 + 13), each into its rows of y [T, out]; None if a
+    (e.g. 17 -> 8 + 9, 40 -> 13 + 13 + 14), each into its rows of y [T, out]; None if a
     call fails."""
     num_rows = x.shape[0]
     num_calls = -(-num_rows // MAX_ROWS)

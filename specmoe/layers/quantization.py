@@ -119,8 +119,9 @@ class Int4Linear(nn.Module):
 
 def _int4_kernel_weights(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
                          bias: torch.Tensor | None) -> gemv_int4.Int4Weights | None:
-    """Our decode kernel's copy of the weights, or None where it cannot run (not CPU, another
-    group size, a CPU without AVX-512). The kernel itself is built at its first call."""
+    """Our kernels' copy of the weights (`gemv_int4.Int4Weights`), or None where they cannot
+    run (not CPU, another group size, a CPU without AVX-512). The kernel itself is built at
+    its first call."""
     if (q.device.type != "cpu" or group_size != gemv_int4.GROUP_SIZE
             or gemv_int4.cpu_unsupported_reason()):
         return None
@@ -170,17 +171,25 @@ def int4_linear_reference(x: torch.Tensor, q: torch.Tensor, scales_and_zeros: to
     return y if bias is None else y + bias
 
 
-def speculation_caveat(method: str | None) -> str | None:
-    """Why greedy speculative decoding on a target quantised by `method` may not give the
-    tokens of plain decoding (its kernels' sums change order with the rows in a forward), or
-    None where they cannot: no quantisation, or int4 on our kernels in batch-invariant mode
-    (`gemv_int4.set_batch_invariant`)."""
-    if method is None:
+def speculation_caveat(model: nn.Module) -> str | None:
+    """Why greedy speculative decoding on `model` may not give the tokens of plain decoding
+    because of its quantised layers (their sums change order with the rows of a forward), or
+    None where they cannot: no quantised layer, or only int4 layers on our CPU kernel in
+    batch-invariant mode (`gemv_int4.set_batch_invariant`). Judged now: switching kernels or
+    the mode later changes the answer.
+    """
+    layers = [m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
+    if any(isinstance(m, Int8Linear) for m in layers):
+        return "its int8 layers run torch's int8 kernel, which is not batch-invariant"
+    if not layers:
         return None
-    if method != "int4":
-        return "its kernel (torch's) is not batch-invariant"
-    if (gemv_int4.is_batch_invariant() and gemv.is_enabled()
-            and gemv_int4.cpu_unsupported_reason() is None):
+    if any(not m.is_cpu for m in layers):
+        return "off CPU its int4 layers run the plain-torch reference, not batch-invariant"
+    reason = gemv_int4.kernel_unavailable_reason() if gemv.is_enabled() else "switched off"
+    if reason is not None or any(m.cpu_kernel is None for m in layers):
+        return (f"our int4 kernel cannot run ({reason or 'unsupported layer'}), and torch's "
+                "int4 kernel is not batch-invariant")
+    if gemv_int4.is_batch_invariant():
         return None
     return (f"its kernel sums a token's outputs in one order only up to "
             f"{gemv_int4.MAX_SPLIT_ROWS} rows per forward (e.g. 4 requests with K <= 7; "

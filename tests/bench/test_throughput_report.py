@@ -178,9 +178,11 @@ def test_markdown_and_files(runs, tmp_path):
     reloaded = json.loads(paths[0].read_text())
     assert markdown(reloaded) == md  # the report can be rebuilt from the JSON file
     assert "float32, greedy" in md  # no quantised weights named
-    results["config"] |= {"quantization": "int4", "draft_quantization": "int8"}
+    results["config"] |= {"quantization": "int8", "draft_quantization": "int4"}
     results["environment"]["int4_batch_invariant"] = True
-    assert ("float32, int4 target weights, int8 draft weights, int4 batch-invariant mode, "
+    assert "float32, int8 target weights, int4 draft weights, greedy" in markdown(results)
+    results["config"]["quantization"] = "int4"
+    assert ("float32, int4 target weights, int4 draft weights, int4 batch-invariant mode, "
             "greedy") in markdown(results)
 
 

@@ -220,8 +220,8 @@ def test_many_rows_run_the_bf16_gemm_on_dequantized_slices(enabled, bf16_gemm, m
 
 def test_layer_uses_kernel_for_decode_and_torch_beyond(enabled, bf16_gemm, monkeypatch):
     """Int4Linear: 1..32 rows through our int4 kernel, more through bf16 slices of the
-    weights; with our kernels switched off, or the bf16 GEMM unavailable beyond 32 rows,
-    torch's `_weight_int4pack_mm_for_cpu`; all agree with the reference."""
+    weights (int4 kernel calls where the bf16 GEMM is unavailable); with our kernels switched
+    off, torch's `_weight_int4pack_mm_for_cpu`; all agree with the reference."""
     w, b = torch.randn(192, 896) * 0.05, torch.randn(192)
     q, sz = quantize_int4(w, 32)
     layer = Int4Linear(q, sz, 32, b)
@@ -245,9 +245,8 @@ def test_layer_uses_kernel_for_decode_and_torch_beyond(enabled, bf16_gemm, monke
         torch.testing.assert_close(y, int4_linear_reference(x, q, sz, 32, b), atol=tol, rtol=tol)
     x = torch.randn(40, 896)
     monkeypatch.setattr(kernels.gemv, "kernel_unavailable_reason", lambda: "no bf16 GEMM")
-    assert layer.cpu_kernel.linear(x) is None
-    assert torch.equal(layer(x), torch_path(x))
-    assert torch.equal(layer(x[:20]), layer.cpu_kernel.linear(x[:20]))  # int4 kernel still
+    # no bf16 GEMM: int4 kernel calls, as in batch-invariant mode (rows keep their bits)
+    assert torch.equal(layer(x), torch.cat([layer(x[:20]), layer(x[20:])]))
     kernels.set_enabled(False)
     for t in (3, 17):
         x = torch.randn(t, 896)
@@ -308,27 +307,63 @@ def test_int4_model_same_greedy_tokens_kernel_on_and_off(enabled, tiny_dir, monk
     torch.testing.assert_close(logits[True], logits[False], atol=tol, rtol=tol)
 
 
-def test_speculation_on_a_quantised_target_warns_that_it_may_not_be_lossless(tiny_dir, caplog):
+def test_speculation_on_a_quantised_target_warns_that_it_may_not_be_lossless(
+        enabled, tiny_dir, caplog, monkeypatch):
     """The int4 path is batch-invariant only up to 32 rows (beyond, bf16 slices run), so
     speculation on an int4 target can change a greedy near-tie when forwards grow past that:
-    LLM says so when both are asked for, and only then."""
+    LLM says so when both are asked for, and only then; not in batch-invariant mode."""
     from specmoe import LLM
     with caplog.at_level("WARNING", logger="specmoe.engine.llm_engine"):
         llm = LLM(tiny_dir, quantization="int4")
         assert not caplog.records
         llm.with_speculative({"method": "ngram"})
     assert len(caplog.records) == 1
-    assert "quantised to int4" in caplog.records[0].getMessage()
+    message = caplog.records[0].getMessage()
+    assert "quantised to int4" in message and "only up to 32 rows" in message
     caplog.clear()
+    monkeypatch.setattr(gemv_int4, "_batch_invariant", True)
     with caplog.at_level("WARNING", logger="specmoe.engine.llm_engine"):
-        was = gemv_int4.is_batch_invariant()
-        gemv_int4.set_batch_invariant(True)
-        try:
-            llm.with_speculative({"method": "ngram"})
-        finally:
-            gemv_int4.set_batch_invariant(was)
-    expected = 0 if gemv_int4.cpu_unsupported_reason() is None and kernels.is_enabled() else 1
-    assert len(caplog.records) == expected  # batch-invariant mode: lossless at any size
+        llm.with_speculative({"method": "ngram"})
+    assert not caplog.records
+
+
+def test_speculation_caveat_names_what_actually_runs(enabled, monkeypatch):
+    """The caveat follows the kernels that will run: none for an unquantised model or int4 in
+    batch-invariant mode on our kernel; torch's kernels (int8 layers, ours off or not
+    built) and the reference off CPU are not batch-invariant, whatever the mode."""
+    from torch import nn
+
+    from specmoe.layers.quantization import quantize_linear, speculation_caveat
+    int4 = nn.Sequential(quantize_linear(torch.randn(64, 64), None, "int4"))
+    mixed = nn.Sequential(int4[0], quantize_linear(torch.randn(100, 64), None, "int4"))
+    assert speculation_caveat(nn.Sequential(nn.Linear(4, 4))) is None
+    assert "only up to 32 rows" in speculation_caveat(int4)
+    assert "int8 layers" in speculation_caveat(mixed)  # 100 outputs: int4 fell back to int8
+    monkeypatch.setattr(gemv_int4, "_batch_invariant", True)
+    assert speculation_caveat(int4) is None
+    monkeypatch.setattr(gemv_int4, "kernel_unavailable_reason", lambda: "no gcc")
+    assert "cannot run (no gcc)" in speculation_caveat(int4)
+    monkeypatch.undo()
+    monkeypatch.setattr(gemv_int4, "_batch_invariant", True)
+    kernels.set_enabled(False)
+    assert "cannot run (switched off)" in speculation_caveat(int4)
+    assert not gemv_int4.batch_invariant_in_effect()
+    kernels.set_enabled(True)
+    assert gemv_int4.batch_invariant_in_effect()
+    int4[0].is_cpu = False  # as on CUDA
+    assert "plain-torch reference" in speculation_caveat(int4)
+
+
+@pytest.mark.parametrize("value,expected", [("1", True), (" TRUE ", True), ("yes", True),
+                                            ("0", False), ("", False)])
+def test_batch_invariant_environment_variable(value, expected):
+    import subprocess
+    import sys
+    code = "from specmoe.kernels import gemv_int4; print(gemv_int4.is_batch_invariant())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**__import__("os").environ, gemv_int4.BATCH_INVARIANT_ENV: value},
+                         check=True).stdout.strip()
+    assert out == str(expected)
 
 
 @pytest.mark.parametrize("in_features", [896, 4864])  # 4864: x > 32 KB from 4 rows, K chunked
