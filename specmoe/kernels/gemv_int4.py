@@ -101,7 +101,9 @@ _lazy = LazyKernel(load_kernel, "CPU int4 linear kernel unavailable, using torch
 def set_batch_invariant(enabled: bool) -> None:
     """Run every number of rows as int4 kernel calls of at most MAX_ROWS rows (True), or more
     than MAX_SPLIT_ROWS rows on bf16 slices of the weights (False, the default; the
-    environment variable SPECMOE_INT4_BATCH_INVARIANT=1 sets the initial state to True)."""
+    environment variable SPECMOE_INT4_BATCH_INVARIANT=1 sets the initial state to True).
+    Process-wide and read by every call: set it before generating, not while another thread
+    runs a forward (its layers would mix the two modes)."""
     global _batch_invariant
     _batch_invariant = bool(enabled)
 
