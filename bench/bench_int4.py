@@ -1,7 +1,8 @@
 """Time of the CPU int4 linear kernel (`specmoe.kernels.gemv_int4`) against torch's
 `aten._weight_int4pack_mm_for_cpu` and our bf16 kernel, for Qwen2.5-0.5B-shaped matrices
-(the draft model) at decode-sized inputs, or at prefill sizes with `--rows 32,150` (beyond 16
-rows ours dequantises slices of the weights to bf16 for the bf16 GEMM).
+(the draft model) at decode-sized inputs, or at prefill sizes with `--rows 64,150` (17-32
+rows run as two int4 kernel calls; beyond 32 ours dequantises slices of the weights to bf16
+for the bf16 GEMM, unless SPECMOE_INT4_BATCH_INVARIANT=1).
 
 Each implementation cycles over distinct copies of its weights totalling at least
 `--min-bytes` (default 512 MiB, far beyond the 32 MiB L3), so every call reads from memory.
@@ -97,11 +98,13 @@ def bench_shape(name: str, k: int, n: int, args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--rows", default="1,2,4,8",
+                    help="rows of x, comma-separated (beyond 32: the bf16-slice path)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--min-bytes", type=float, default=512 * 2 ** 20,
                     help="bytes of weight copies cycled per implementation and shape")
-    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES),
+                    help=f"matrices, comma-separated, of {', '.join(s[0] for s in SHAPES)}")
     args = ap.parse_args()
     torch.manual_seed(0)
     for what, reason in (("int4", gemv_int4.kernel_unavailable_reason()),

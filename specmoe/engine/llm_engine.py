@@ -89,8 +89,8 @@ class LLM:
         if caveat is not None:
             logger.warning(
                 "speculative decoding on a target quantised to %s: %s, so greedy outputs may "
-                "differ from plain decoding at near-ties (bfloat16 and float32 targets give "
-                "identical tokens)", self.config.model.quantization, caveat)
+                "differ from plain decoding at near-ties (unquantised bfloat16 and float32 "
+                "targets give identical tokens)", self.config.model.quantization, caveat)
         sched = self.config.scheduler
         num_blocks = _num_kv_blocks(sched, self.target)
         self.proposer = None if speculative is None else build_proposer(
