@@ -14,16 +14,15 @@ returns None for anything it does not handle and the caller runs the plain-torch
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 
-from specmoe.kernels.build import LazyKernel, load
+from specmoe.kernels.build import LazyKernel, env_flag, load
 
 DISABLE_ENV = "SPECMOE_DISABLE_CPU_KERNELS"
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw")
 
-_enabled = os.environ.get(DISABLE_ENV, "").strip().lower() not in ("1", "true", "yes")
+_enabled = not env_flag(DISABLE_ENV)
 
 
 def set_enabled(enabled: bool) -> None:

@@ -41,20 +41,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import threading
 
 import torch
 
 from specmoe.kernels import gemv
-from specmoe.kernels.build import LazyKernel, cpu_reason, load
+from specmoe.kernels.build import LazyKernel, cpu_reason, env_flag, load
 
 GROUP_SIZE = 32  # inputs per quantisation group: the only size the kernel takes
 MAX_ROWS = 16  # the most input rows of one int4 kernel call
 MAX_SPLIT_ROWS = 32  # up to this many rows: int4 kernel calls of <= MAX_ROWS rows each
 DEQUANT_SLICE_BYTES = 8 << 20  # bf16 weights dequantised at a time beyond MAX_SPLIT_ROWS
 BATCH_INVARIANT_ENV = "SPECMOE_INT4_BATCH_INVARIANT"
-_batch_invariant = os.environ.get(BATCH_INVARIANT_ENV, "").strip().lower() in ("1", "true", "yes")
+_batch_invariant = env_flag(BATCH_INVARIANT_ENV)
 _REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
 _X_DTYPES = (torch.bfloat16, torch.float32)
 
