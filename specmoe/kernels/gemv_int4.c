@@ -87,21 +87,14 @@
 #define CHUNK_X_BYTES (16 << 10)
 #define PREFETCH_BYTES 6144 /* unchunked: how far ahead the packed stream is prefetched */
 
+#include "avx512_math.h"
 #include "bf16_dot.h"
 
 /* 2: vdpbf16ps, 1: shift + FMA. Lets Python report which path it built. */
 int specmoe_gemv_int4_isa(void) { return SPECMOE_ISA; }
 
-/* One bf16 value as fp32. */
-static inline float bf16_scalar(uint16_t v) {
-    const uint32_t u = (uint32_t)v << 16;
-    float f;
-    __builtin_memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 /* 16 bf16 values (the first `n` of them, zeros after) as fp32. */
-static inline __m512 load_bf16x16(const uint16_t *p, int n) {
+static inline __m512 load_first_bf16x16(const uint16_t *p, int n) {
     const __mmask16 m = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
     const __m512i v = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
@@ -323,8 +316,8 @@ static inline __attribute__((always_inline)) void finish(
     const __m512 shift = _mm512_set1_ps(-ZERO_SHIFT);
     for (int64_t k = 0; k * 16 < NG; k++) {
         const int ng = NG - k * 16 < 16 ? (int)(NG - k * 16) : 16;
-        const __m512 zv = _mm512_fmadd_ps(shift, load_bf16x16(sr + k * 16, ng),
-                                          load_bf16x16(zr + k * 16, ng));
+        const __m512 zv = _mm512_fmadd_ps(shift, load_first_bf16x16(sr + k * 16, ng),
+                                          load_first_bf16x16(zr + k * 16, ng));
 #pragma GCC unroll 8
         for (int t = 0; t < G; t++)
             acc[1][t] = _mm512_fmadd_ps(zv, _mm512_loadu_ps(xs + (k * T + t) * 16), acc[1][t]);
@@ -528,8 +521,8 @@ int specmoe_int4_to_bf16(const struct specmoe_int4_weights *w, uint16_t *out, in
         const uint16_t *sr = w->scales + n * w->sz_stride, *zr = w->zeros + n * w->sz_stride;
         uint16_t *o = out + (n - n0) * K;
         for (int64_t g = 0; g < NG; g++) { /* 16 bytes: byte j = input 2j | input 2j+1 << 4 */
-            const __m512 s = _mm512_set1_ps(bf16_scalar(sr[g]));
-            const __m512 z = _mm512_set1_ps(bf16_scalar(zr[g]));
+            const __m512 s = _mm512_set1_ps(bf16_to_f32(sr[g]));
+            const __m512 z = _mm512_set1_ps(bf16_to_f32(zr[g]));
             const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(pr + g * 16)));
             const __m512 eight = _mm512_set1_ps(8.0f);
             const __m512 q_even = _mm512_sub_ps(
