@@ -281,10 +281,10 @@ def run_throughput_bench(cfg: ThroughputBenchConfig) -> dict:
     import torch
 
     from specmoe.bench.roofline import PROBE_BYTES, measure_read_bandwidth
+    from specmoe.kernels import gemv_int4
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
     t0 = time.perf_counter()
-    from specmoe.kernels import gemv_int4
     env = {"torch_num_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
            "load_average_start": os.getloadavg()[0], "torch_version": torch.__version__,
            "int4_batch_invariant": gemv_int4.batch_invariant_in_effect()}
