@@ -2,7 +2,7 @@
  *
  * Decoding is bound by the bandwidth of reading w, so every weight row is streamed from
  * memory once for all T input rows: a tile of 4 weight rows is multiplied with groups of
- * up to 6 input rows while it sits in L1/L2; with at most 4 rows whose x fits in L1,
+ * up to 6 input rows while it sits in L1/L2; with at most 8 rows whose x fits in L1,
  * weight rows are read one after another instead (one stream, best for the prefetcher).
  * Larger T (prefill, batched verification) runs in blocks of up to 96 input rows, each
  * block through all of a thread's weight rows, so the block's x stays in L2.
@@ -21,8 +21,9 @@
  * way); the tests check it bit for bit.
  *
  * Measured on 2 Zen 5 cores (SmolLM2-135M and Qwen2.5-1.5B matrices): 1-4 rows read at
- * ~85-100% of a plain streaming read; from ~9 rows the multiplies (`vdpbf16ps` throughput),
- * not memory, set the pace: 16 rows cost ~1.3-1.5x one row, at ~80% of the vdpbf16ps peak
+ * ~85-100% of a plain streaming read, 5 rows (a K = 4 verification) of SmolLM2's 576- or
+ * Qwen's 1536-column matrices about as fast as 1; from ~9 rows the multiplies (`vdpbf16ps`
+ * throughput), not memory, set the pace: 16 rows cost ~1.3-1.5x one row, at ~80% of the vdpbf16ps peak
  * from cache; 17-64 rows run 1.1-2x torch's oneDNN `F.linear`, 256-1024 rows ~10-15% below
  * it (~25-35% on 8960-column rows).
  *
@@ -40,7 +41,7 @@
 #define K_BLOCK 1024  /* columns per slice of a tile (a multiple of 32) */
 #define MAX_GROUP 6   /* input rows multiplied per pass over a weight tile */
 #define TILE_ROWS 4   /* weight rows per tile: 4 x 6 accumulators fill 24 registers */
-#define MAX_SEQ_ROWS 4 /* up to this many input rows, x small: rows_seq, not tiles */
+#define MAX_SEQ_ROWS 8 /* up to this many input rows, x small: rows_seq, not tiles */
 #define MAX_SEQ_X_BYTES (16 << 10)
 #define SEQ_PREFETCH_BYTES 4096 /* how far ahead rows_seq prefetches its weight stream */
 #define MAX_TILE_PREFETCH_BYTES (24 << 10) /* larger tiles prefetch TILE_PREFETCH_ELEMS ahead */
@@ -146,32 +147,45 @@ static inline __attribute__((always_inline)) void tile(
 /* Weight rows one after another, each with all G input rows, so a thread's range is one
  * forward stream for the hardware prefetcher (best while x is small enough for L1). One
  * accumulator per input row, as `tile` (batch invariance): the dependent vdpbf16ps chain
- * still outpaces memory at 1-4 rows. */
+ * still outpaces memory at 1-4 rows. From 5 rows the G sums of a weight row are taken
+ * together (`reduce_add16`, same bits as one at a time): on SmolLM2-135M's matrices, read
+ * from memory, 5-8 rows ran 1.15-1.25x faster this way than through tiles, whose 4 short
+ * row streams per tile the prefetcher follows less well. */
 static inline __attribute__((always_inline)) void rows_seq(
     const int G, const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
     int64_t K, int64_t N, int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n++) {
         const uint16_t *wr = w + n * K;
         __m512 acc[MAX_SEQ_ROWS];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int t = 0; t < G; t++) acc[t] = _mm512_setzero_ps();
         int64_t k = 0;
         for (; k + 32 <= K; k += 32) {
             if (G > 1) /* from 2 rows on, the hardware prefetcher alone falls behind */
                 _mm_prefetch((const char *)(wr + k) + SEQ_PREFETCH_BYTES, _MM_HINT_T0);
             const __m512i wv = _mm512_loadu_si512(wr + k);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
             for (int t = 0; t < G; t++)
                 acc[t] = dot_pairs(acc[t], wv, _mm512_loadu_si512(x + t * K + k));
         }
         if (k < K) { /* tail: masked loads read zeros past K */
             const __mmask32 m = (__mmask32)((1ull << (K - k)) - 1);
             const __m512i wv = _mm512_maskz_loadu_epi16(m, wr + k);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
             for (int t = 0; t < G; t++)
                 acc[t] = dot_pairs(acc[t], wv, _mm512_maskz_loadu_epi16(m, x + t * K + k));
         }
         const float b = bias ? bf16_to_f32(bias[n]) : 0.0f;
+        if (G > 4) {
+            __m512 pack[16];
+#pragma GCC unroll 16
+            for (int t = 0; t < 16; t++) pack[t] = t < G ? acc[t] : _mm512_setzero_ps();
+            uint16_t out[16];
+            store_bf16x16(out, _mm512_add_ps(reduce_add16(pack), _mm512_set1_ps(b)));
+#pragma GCC unroll 8
+            for (int t = 0; t < G; t++) y[t * N + n] = out[t];
+            continue;
+        }
 #pragma GCC unroll 4
         for (int t = 0; t < G; t++) y[t * N + n] = f32_to_bf16(_mm512_reduce_add_ps(acc[t]) + b);
     }
@@ -198,6 +212,10 @@ static void rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uin
             case 2: rows_seq(2, x, w, bias, y, K, N, n0, n1); return;
             case 3: rows_seq(3, x, w, bias, y, K, N, n0, n1); return;
             case 4: rows_seq(4, x, w, bias, y, K, N, n0, n1); return;
+            case 5: rows_seq(5, x, w, bias, y, K, N, n0, n1); return;
+            case 6: rows_seq(6, x, w, bias, y, K, N, n0, n1); return;
+            case 7: rows_seq(7, x, w, bias, y, K, N, n0, n1); return;
+            case 8: rows_seq(8, x, w, bias, y, K, N, n0, n1); return;
         }
     }
     const int64_t num_groups = (T + MAX_GROUP - 1) / MAX_GROUP;
