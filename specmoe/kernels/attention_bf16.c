@@ -53,6 +53,8 @@
 #define VECTOR_BLOCK 16   /* query vectors attended per pass over a unit's keys */
 #define QK_GROUP 4        /* query vectors scored together (4 partial sums each) */
 #define NEG_BIG -1e30f    /* running-max start: finite, so exp(m_old - m_new) is never NaN */
+#define FAR_PREFETCH_MAX_ROWS 16 /* sequences of at most this many query rows (decode,
+                                    verification) also prefetch 2 chunks ahead */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 typedef struct {
@@ -301,7 +303,7 @@ ALWAYS_INLINE void attend_group(Query *qs, const int g, const Chunk *ch, int n, 
 ALWAYS_INLINE void unit_impl(Query *qs, Chunk *ch, const uint16_t *q, const uint16_t *k_cache,
                              const uint16_t *v_cache, uint16_t *out, const Shape *s,
                              int64_t row0, int64_t v0, int64_t nv, int64_t start_pos,
-                             const int64_t *table, int64_t kvh, const int64_t hd) {
+                             const int64_t *table, int64_t kvh, int far, const int64_t hd) {
     const int64_t G = s->num_heads / s->num_kv_heads;
     const int64_t end = start_pos + (v0 + nv - 1) / G + 1;  /* past the block's last row */
     const int64_t pos0 = start_pos + v0 / G;                /* the block's first row */
@@ -317,8 +319,17 @@ ALWAYS_INLINE void unit_impl(Query *qs, Chunk *ch, const uint16_t *q, const uint
         const int n = (int)(end - p0 < CHUNK ? end - p0 : CHUNK);
         const uint16_t **kp = rows[r], **vp = rows[r] + CHUNK;
         /* the next chunk's rows (scattered over the cache: one head of each slot, slots in
-         * table order) are fetched while this one computes */
+         * table order) are fetched while this one computes; with few query rows (`far`),
+         * the chunk after it too: one chunk ahead is too late to cover memory latency where
+         * a chunk is little work. From memory, decode of 16 SmolLM2-135M sequences ran
+         * 1.18x faster, 5-row verifications 1.11x, one 2000-key sequence 1.22x; prefill
+         * chunks lost 9%. Asking for each chunk twice (2 ahead, then 1 ahead) beat a ring
+         * of rows prefetched once 2 chunks ahead (1.03x), as if requests were dropped. */
         if (p0 + CHUNK < end) prefetch_rows(rows[r ^ 1], k_cache, v_cache, s, table, p0 + CHUNK, end, kvh, hd);
+        if (far && p0 + 2 * CHUNK < end) {
+            const uint16_t *ahead[2 * CHUNK];
+            prefetch_rows(ahead, k_cache, v_cache, s, table, p0 + 2 * CHUNK, end, kvh, hd);
+        }
         load_chunk(ch, kp, vp, n, hd);
         int64_t v = 0;
         for (; v + QK_GROUP <= nv; v += QK_GROUP) attend_group(qs + v, QK_GROUP, ch, n, p0, s->scale, hd);
@@ -335,13 +346,13 @@ ALWAYS_INLINE void unit_impl(Query *qs, Chunk *ch, const uint16_t *q, const uint
 static void run_unit(Query *qs, Chunk *ch, const uint16_t *q, const uint16_t *k_cache,
                      const uint16_t *v_cache, uint16_t *out, const Shape *s, int64_t row0,
                      int64_t v0, int64_t nv, int64_t start_pos, const int64_t *table,
-                     int64_t kvh) {
+                     int64_t kvh, int far) {
     if (s->head_dim == 64)
-        unit_impl(qs, ch, q, k_cache, v_cache, out, s, row0, v0, nv, start_pos, table, kvh, 64);
+        unit_impl(qs, ch, q, k_cache, v_cache, out, s, row0, v0, nv, start_pos, table, kvh, far, 64);
     else if (s->head_dim == 128)
-        unit_impl(qs, ch, q, k_cache, v_cache, out, s, row0, v0, nv, start_pos, table, kvh, 128);
+        unit_impl(qs, ch, q, k_cache, v_cache, out, s, row0, v0, nv, start_pos, table, kvh, far, 128);
     else
-        unit_impl(qs, ch, q, k_cache, v_cache, out, s, row0, v0, nv, start_pos, table, kvh,
+        unit_impl(qs, ch, q, k_cache, v_cache, out, s, row0, v0, nv, start_pos, table, kvh, far,
                   s->head_dim);
 }
 
@@ -426,7 +437,7 @@ int specmoe_attention_bf16(const uint16_t *q, const uint16_t *k_cache,
             const int64_t kvh = units[k].unit % num_kv_heads, nv = G * num_rows[i] - v0;
             run_unit(qs, ch, q, k_cache, v_cache, out, &s, row_start[i], v0,
                      nv < VECTOR_BLOCK ? nv : VECTOR_BLOCK, start_pos[i],
-                     block_tables + i * max_blocks, kvh);
+                     block_tables + i * max_blocks, kvh, num_rows[i] <= FAR_PREFETCH_MAX_ROWS);
         }
     }
     free(qs_all);
