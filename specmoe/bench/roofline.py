@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from specmoe.layers.embed_head import TiedProjection, VocabEmbedding
+from specmoe.utils import hugepages
 
 PROBE_BYTES = 1 << 30  # a quick probe's buffer: 32x the last-level cache here
 
@@ -15,8 +16,13 @@ PROBE_BYTES = 1 << 30  # a quick probe's buffer: 32x the last-level cache here
 def measure_read_bandwidth(num_bytes: int = 2 << 30, repeats: int = 5,
                            device: torch.device | str = "cpu") -> float:
     """Best-of-`repeats` bytes/s of streaming a `num_bytes` float32 buffer through a sum
-    (far larger than the last-level cache, so it measures memory, not cache)."""
-    buf = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
+    (far larger than the last-level cache, so it measures memory, not cache). On CPU the
+    buffer lies in huge pages where available, as the weights do (`specmoe.utils.hugepages`),
+    so that the probe measures the memory, not the TLB."""
+    if torch.device(device).type == "cpu":
+        buf = hugepages.zeros_many([((num_bytes // 4,), torch.float32)])[0].fill_(1.0)
+    else:
+        buf = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()

@@ -102,6 +102,17 @@ class Int4Linear(nn.Module):
         q, sz = quantize_int4(weight, group_size)
         return cls(q, sz, group_size, bias)
 
+    def extra_weights(self) -> list[torch.Tensor]:
+        """Our kernel's packed weights, scales and zeros (none without it), for
+        `specmoe.utils.hugepages.rehome_module`."""
+        k = self.cpu_kernel
+        return [] if k is None else [k.packed, k.scales, k.zeros]
+
+    def set_extra_weights(self, tensors: list[torch.Tensor]) -> None:
+        """Point our kernel at copies of `extra_weights()` (same values, e.g. in huge pages)."""
+        if self.cpu_kernel is not None:
+            self.cpu_kernel = gemv_int4.Int4Weights(*tensors, self.cpu_kernel.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out] in x's dtype."""
         if not self.is_cpu:

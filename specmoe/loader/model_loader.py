@@ -16,6 +16,7 @@ from specmoe.loader.hf_dir import iter_safetensors, read_hf_config
 from specmoe.loader.weights import load_weights
 from specmoe.models.decoder import DecoderModel
 from specmoe.models.registry import family_for
+from specmoe.utils import hugepages
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -80,6 +81,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
     if config.quantization is not None:
         quantize_model(model, config.quantization)
     model.eval().requires_grad_(False)
+    if device.type == "cpu":
+        hugepages.rehome_module(model)  # decoding streams the weights: 2 MiB pages
     return LoadedModel(model, arch, path, device, dtype, max_len)
 
 
