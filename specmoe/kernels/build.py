@@ -37,12 +37,6 @@ class KernelBuildError(RuntimeError):
     """The compiler is missing or rejected the source (message holds its output)."""
 
 
-def env_flag(name: str) -> bool:
-    """Whether environment variable `name` is set to 1, true or yes (any case, spaces
-    around ignored): the kernels' on/off switches."""
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
-
-
 def kernel_dir() -> Path:
     """The cache folder: `$SPECMOE_KERNEL_DIR`, else `~/.cache/specmoe/kernels`."""
     return Path(os.environ.get(KERNEL_DIR_ENV) or DEFAULT_KERNEL_DIR).expanduser()

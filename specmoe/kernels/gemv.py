@@ -17,7 +17,8 @@ import ctypes
 
 import torch
 
-from specmoe.kernels.build import LazyKernel, env_flag, load
+from specmoe.kernels.build import LazyKernel, load
+from specmoe.utils.env import env_flag
 
 DISABLE_ENV = "SPECMOE_DISABLE_CPU_KERNELS"
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw")

@@ -46,7 +46,8 @@ import threading
 import torch
 
 from specmoe.kernels import gemv
-from specmoe.kernels.build import LazyKernel, cpu_reason, env_flag, load
+from specmoe.kernels.build import LazyKernel, cpu_reason, load
+from specmoe.utils.env import env_flag
 
 GROUP_SIZE = 32  # inputs per quantisation group: the only size the kernel takes
 MAX_ROWS = 16  # the most input rows of one int4 kernel call

@@ -23,6 +23,8 @@ import mmap
 import torch
 from torch import nn
 
+from specmoe.utils.env import env_flag
+
 HUGE_PAGE = 2 << 20
 MIN_BYTES = 4 << 20  # below this a region is left to torch's allocator
 ALIGN = 64  # bytes between tensors of one region (a cache line; a multiple of every itemsize)
@@ -32,7 +34,6 @@ DISABLE_ENV = "SPECMOE_DISABLE_HUGE_PAGES"
 def supported() -> bool:
     """Whether huge pages can be requested here: Linux with `MADV_HUGEPAGE`, transparent
     huge pages not `never`, and SPECMOE_DISABLE_HUGE_PAGES unset or 0."""
-    from specmoe.kernels.build import env_flag
     if env_flag(DISABLE_ENV) or not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
     try:
