@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from specmoe.kernels.argmax import argmax
 from specmoe.sampling_params import SamplingParams
 
 # Smallest positive float32: exponentials are clamped to it so that p / E is never 0 / 0
@@ -158,7 +159,7 @@ def compute_probs(logits: Tensor, st: SamplingTensors) -> Tensor:
 
 
 def _one_hot_argmax(logits: Tensor) -> Tensor:
-    token_ids = logits.argmax(dim=-1, keepdim=True)  # [num_rows, 1]
+    token_ids = argmax(logits)[:, None]  # [num_rows, 1]
     one_hot = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
     return one_hot.scatter_(1, token_ids, 1.0)
 
@@ -166,7 +167,7 @@ def _one_hot_argmax(logits: Tensor) -> Tensor:
 def _set_greedy_rows(probs: Tensor, logits: Tensor, is_greedy: Tensor) -> Tensor:
     """Replace greedy rows of probs by a one-hot at the argmax of the raw logits, in O(rows)
     extra memory."""
-    token_ids = logits.argmax(dim=-1, keepdim=True)  # [num_rows, 1]
+    token_ids = argmax(logits)[:, None]  # [num_rows, 1]
     probs = probs.masked_fill(is_greedy[:, None], 0.0)
     at_argmax = torch.where(is_greedy[:, None], 1.0, probs.gather(1, token_ids))  # [rows, 1]
     return probs.scatter_(1, token_ids, at_argmax)
@@ -321,7 +322,7 @@ def exponential_race(probs: Tensor, exponentials: Tensor) -> Tensor:
     Returns:
         [...] int64 token ids.
     """
-    return (probs / exponentials).argmax(dim=-1)
+    return argmax(probs / exponentials)
 
 
 def sample_from_probs(probs: Tensor, generators: list[torch.Generator | None]) -> Tensor:

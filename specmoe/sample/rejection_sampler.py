@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from specmoe.kernels.argmax import argmax
 from specmoe.sample.ops import (SamplingTensors, compute_probs, draw_random,
                                 exponential_race)
 
@@ -81,7 +82,7 @@ def rejection_sample(target_logits: Tensor, draft_token_ids: Tensor, draft_probs
     batch_size, num_positions, vocab_size = target_logits.shape
     num_draft = num_positions - 1
     draft_token_ids = draft_token_ids.long()
-    target_argmax = target_logits.argmax(dim=-1)  # [batch_size, K + 1]
+    target_argmax = argmax(target_logits)  # [batch_size, K + 1]
     is_accepted = draft_token_ids == target_argmax[:, :num_draft]  # [batch_size, K]
     if not sampling.all_greedy:
         draws = draw_random(generators, num_draft, (num_positions, vocab_size),

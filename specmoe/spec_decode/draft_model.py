@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from specmoe.engine.kv_cache_manager import KVCacheManager
+from specmoe.kernels.argmax import argmax
 from specmoe.sample.ops import SamplingTensors, compute_probs, sample_from_probs
 from specmoe.spec_decode.proposer import DraftProposal, ProposeRequest
 from specmoe.worker.model_runner import ModelRunner, SequenceInput
@@ -122,7 +123,7 @@ def _sample(q: torch.Tensor, sampling: SamplingTensors,
             generators: list[torch.Generator | None]) -> list[int]:
     """One token per row of q: argmax for greedy rows, a draw from q otherwise."""
     if sampling.all_greedy:
-        return q.argmax(dim=-1).tolist()
+        return argmax(q).tolist()
     return sample_from_probs(q, generators).tolist()
 
 
