@@ -64,7 +64,7 @@ def verify_rows(rows: list[VerifyRow]) -> list[VerifyResult]:
 
 
 def _verify_group(rows: list[VerifyRow]) -> list[VerifyResult]:
-    logits = torch.stack([r.logits for r in rows])  # [G, k + 1, vocab_size]
+    logits = _stack(rows)  # [G, k + 1, vocab_size]
     device = logits.device
     draft_ids = torch.tensor([r.draft_token_ids for r in rows], dtype=torch.long,
                              device=device).view(len(rows), -1)  # [G, k]
@@ -73,6 +73,19 @@ def _verify_group(rows: list[VerifyRow]) -> list[VerifyResult]:
                            sampling, [r.generator for r in rows])
     tokens, num_accepted = out.output_token_ids.tolist(), out.num_accepted.tolist()
     return [VerifyResult(t[:n + 1], n) for t, n in zip(tokens, num_accepted)]
+
+
+def _stack(rows: list[VerifyRow]) -> torch.Tensor:
+    """The rows' logits as one [G, k + 1, vocab_size] tensor: a view where they already lie
+    back to back in one tensor (the usual case: consecutive slices of the forward's logits;
+    copying them cost 0.17 ms of a 16-request SmolLM2 step), else a stacked copy."""
+    first = rows[0].logits
+    step = first.numel() * first.element_size()
+    if all(r.logits.is_contiguous() and r.logits.shape == first.shape
+           and r.logits.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+           and r.logits.data_ptr() == first.data_ptr() + i * step for i, r in enumerate(rows)):
+        return first.as_strided((len(rows), *first.shape), (first.numel(), *first.stride()))
+    return torch.stack([r.logits for r in rows])
 
 
 def _draft_probs(rows: list[VerifyRow], draft_ids: torch.Tensor) -> torch.Tensor | None:
