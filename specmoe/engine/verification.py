@@ -82,6 +82,7 @@ def _stack(rows: list[VerifyRow]) -> torch.Tensor:
     first = rows[0].logits
     step = first.numel() * first.element_size()
     if all(r.logits.is_contiguous() and r.logits.shape == first.shape
+           and r.logits.dtype == first.dtype
            and r.logits.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
            and r.logits.data_ptr() == first.data_ptr() + i * step for i, r in enumerate(rows)):
         return first.as_strided((len(rows), *first.shape), (first.numel(), *first.stride()))

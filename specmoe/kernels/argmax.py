@@ -40,10 +40,10 @@ def try_argmax(x: torch.Tensor) -> torch.Tensor | None:
             (any contiguous tensor, or a 2-D row slice).
     Returns:
         [...] int64, or None: kernels off or unavailable, another device or dtype, empty
-        rows, rows it cannot address, or autograd needed. Raises nothing.
+        rows, rows it cannot address, a lazily negated view, or autograd needed.
     """
     if (not gemv.is_enabled() or not x.is_cpu or x.dtype is not torch.float32 or x.dim() == 0
-            or x.shape[-1] < 1 or (x.requires_grad and torch.is_grad_enabled())):
+            or x.shape[-1] < 1 or x.is_neg() or (x.requires_grad and torch.is_grad_enabled())):
         return None
     n = x.shape[-1]
     if x.is_contiguous():

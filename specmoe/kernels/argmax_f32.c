@@ -53,8 +53,9 @@ static int64_t row_argmax(const float *x, int64_t n) {
 int specmoe_argmax_f32(const float *x, int64_t rows, int64_t n, int64_t stride, int64_t *out,
                        int num_threads) {
     if (n < 1 || rows < 0) return -1;
-    const int threads = rows * n < MIN_PARALLEL_ELEMS || num_threads < 1 ? 1 : num_threads;
-#pragma omp parallel for num_threads(threads) schedule(static)
+    int threads = rows * n < MIN_PARALLEL_ELEMS || num_threads < 1 ? 1 : num_threads;
+    if (threads > rows) threads = (int)rows;
+#pragma omp parallel for if(threads > 1) num_threads(threads) schedule(static)
     for (int64_t r = 0; r < rows; r++) out[r] = row_argmax(x + r * stride, n);
     return 0;
 }

@@ -147,7 +147,7 @@ static inline __attribute__((always_inline)) void tile(
 /* Weight rows one after another, each with all G input rows, so a thread's range is one
  * forward stream for the hardware prefetcher (best while x is small enough for L1). One
  * accumulator per input row, as `tile` (batch invariance): the dependent vdpbf16ps chain
- * still outpaces memory at 1-4 rows. From 5 rows the G sums of a weight row are taken
+ * still outpaces memory at 1-4 rows, about keeps up at 5-8. From 5 rows the G sums of a weight row are taken
  * together (`reduce_add16`, same bits as one at a time): on SmolLM2-135M's matrices, read
  * from memory, 5-8 rows ran 1.15-1.25x faster this way than through tiles, whose 4 short
  * row streams per tile the prefetcher follows less well. */

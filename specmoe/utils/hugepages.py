@@ -1,18 +1,19 @@
-"""CPU tensors in transparent huge pages: weights and KV caches streamed from memory.
+"""CPU weights in transparent huge pages.
 
-Decoding streams every weight (and, under concurrency, every cached key and value) from
-memory each step. In 4 KiB pages that is one TLB entry per 4 KiB read; where Linux enables
-transparent huge pages only on request (`/sys/kernel/mm/transparent_hugepage/enabled` =
-`madvise`, the common default), torch's allocations never get 2 MiB pages. `zeros_many`
-maps one anonymous region aligned to 2 MiB, advises `MADV_HUGEPAGE` on it and carves the
-tensors out of it back to back (so small tensors waste no page); `rehome_module` moves a
-module's CPU parameters and buffers there. Measured on 2 Zen 5 cores, the bf16 linear kernel
-read weights 4-8% faster at 1 and 16 rows (SmolLM2-135M's and Qwen2.5-1.5B's matrices, min
-and median of 8 interleaved passes).
+Decoding streams every weight from memory each step. In 4 KiB pages that is one TLB entry
+per 4 KiB read; where Linux enables transparent huge pages only on request
+(`/sys/kernel/mm/transparent_hugepage/enabled` = `madvise`, the common default), torch's
+allocations never get 2 MiB pages. `zeros_many` maps one anonymous region aligned to 2 MiB,
+advises `MADV_HUGEPAGE` on it and places the tensors in it back to back (so small tensors
+waste no page), each with a storage of its own; `rehome_module` moves a module's CPU
+parameters and buffers there. Measured on 2 Zen 5 cores, the bf16 linear kernel read
+weights 4-8% faster at 1 and 16 rows (SmolLM2-135M's and Qwen2.5-1.5B's matrices, min and
+median of 8 interleaved passes). The KV cache is left to torch: its pages are first touched
+during prefill, where faulting in 2 MiB at a time cost more than the pages saved.
 
 Where huge pages are not available (not Linux, THP `never`, SPECMOE_DISABLE_HUGE_PAGES=1,
-another device, less than MIN_BYTES in all) everything falls back to ordinary torch
-allocations: same values, same results.
+less than MIN_BYTES in all) everything stays with torch's allocator: same values, same
+results.
 """
 
 from __future__ import annotations
@@ -29,15 +30,17 @@ HUGE_PAGE = 2 << 20
 MIN_BYTES = 4 << 20  # below this a region is left to torch's allocator
 ALIGN = 64  # bytes between tensors of one region (a cache line; a multiple of every itemsize)
 DISABLE_ENV = "SPECMOE_DISABLE_HUGE_PAGES"
+THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 def supported() -> bool:
     """Whether huge pages can be requested here: Linux with `MADV_HUGEPAGE`, transparent
-    huge pages not `never`, and SPECMOE_DISABLE_HUGE_PAGES unset or 0."""
+    huge pages not `never` (THP_ENABLED readable), and SPECMOE_DISABLE_HUGE_PAGES unset or
+    0."""
     if env_flag(DISABLE_ENV) or not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
     try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        with open(THP_ENABLED) as f:
             return "[never]" not in f.read()
     except OSError:
         return False
@@ -45,13 +48,16 @@ def supported() -> bool:
 
 def zeros_many(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
     """Zero-filled contiguous CPU tensors of the given (shape, dtype)s, laid out back to back
-    (64-byte aligned) in one mapping advised for huge pages; they keep the mapping alive.
-    Plain `torch.zeros` each where `in_huge_pages(specs)` is False."""
+    (64-byte aligned) in one mapping advised for huge pages. Each has a storage of its own
+    (saving or copying one copies only its bytes) that keeps the mapping alive. Plain
+    `torch.zeros` each where `in_huge_pages(specs)` is False."""
     if not in_huge_pages(specs):
         return [torch.zeros(shape, dtype=dtype) for shape, dtype in specs]
     offsets, total = _layout(specs)
-    region = _region(total)
-    return [region[o:o + _numel(shape) * dtype.itemsize].view(dtype).view(shape)
+    buf, start = _region(total)
+    return [torch.frombuffer(buf, dtype=torch.uint8, count=_nbytes(shape, dtype),
+                             offset=start + o).view(dtype).view(shape)
+            if _nbytes(shape, dtype) else torch.zeros(shape, dtype=dtype)
             for o, (shape, dtype) in zip(offsets, specs)]
 
 
@@ -66,62 +72,68 @@ def _layout(specs) -> tuple[list[int], int]:
     offsets, total = [], 0
     for shape, dtype in specs:
         offsets.append(total)
-        total += -(-_numel(shape) * dtype.itemsize // ALIGN) * ALIGN
+        total += -(-_nbytes(shape, dtype) // ALIGN) * ALIGN
     return offsets, total
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = dtype.itemsize
     for d in shape:
         n *= d
     return n
 
 
-def _region(nbytes: int) -> torch.Tensor:
-    """[nbytes] uint8 zeros starting on a 2 MiB boundary, advised for huge pages. The
-    mapping is one huge page longer than asked so that such a start exists; the slack is
-    never touched, so it costs address space, not memory."""
-    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    offset = -ctypes.addressof(ctypes.c_char.from_buffer(buf)) % HUGE_PAGE
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _region(nbytes: int) -> tuple[mmap.mmap, int]:
+    """An anonymous mapping (zeros) and the offset in it of a 2 MiB-aligned run of
+    `nbytes`, advised for huge pages up to the next 2 MiB boundary. The mapping is one huge
+    page longer than that run so that an aligned start exists; the slack is never touched,
+    so it costs address space, not memory."""
+    span = _round_up(nbytes, HUGE_PAGE)
+    buf = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    start = -ctypes.addressof(ctypes.c_char.from_buffer(buf)) % HUGE_PAGE
     try:
-        buf.madvise(mmap.MADV_HUGEPAGE, offset, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+        buf.madvise(mmap.MADV_HUGEPAGE, start, span)
     except OSError:
         pass  # the mapping still works, with 4 KiB pages
-    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
+    return buf, start
 
 
 def rehome_module(module: nn.Module) -> int:
-    """Copy `module`'s CPU weights into one huge-page region (`zeros_many`): every
-    parameter and buffer that owns its whole storage (tensors sharing one, as tied
-    embeddings, stay shared; views into a larger storage stay where they are), and the
-    tensors a submodule lists in `extra_weights()`, handed back to its
-    `set_extra_weights(copies)` (the int4 kernel's own packed copy). Call it once, after
-    loading: a second call copies again.
+    """Copy the storages of `module`'s CPU parameters and buffers into one huge-page region
+    (`zeros_many`) and point every tensor on them at the copy, keeping its offset, shape,
+    strides and dtype (tied weights and views stay shared); and copy the tensors a submodule
+    lists in `extra_weights()`, handed back to its `set_extra_weights(copies)` (the int4
+    kernel's own packed copy). Call it once, after loading: a second call copies again.
 
     Returns:
         bytes copied (0 where `in_huge_pages` is False: nothing is moved).
     """
-    owners: dict[int, list[torch.Tensor]] = {}  # data_ptr -> the tensors using it
+    users: dict[int, list[torch.Tensor]] = {}  # storage address -> tensors on it
+    storages: dict[int, torch.UntypedStorage] = {}
     for sub in module.modules():
         for t in (*sub._parameters.values(), *sub._buffers.values()):
-            if t is not None and _owns_storage(t):
-                owners.setdefault(t.data_ptr(), []).append(t)
+            if t is not None and t.device.type == "cpu" and t.untyped_storage().nbytes():
+                key = t.untyped_storage().data_ptr()
+                users.setdefault(key, []).append(t)
+                storages[key] = t.untyped_storage()
     extras = [(sub, sub.extra_weights()) for sub in module.modules()
               if hasattr(sub, "extra_weights")]
-    tensors = [ts[0] for ts in owners.values()] + [t for _, ts in extras for t in ts]
-    specs = [(tuple(t.shape), t.dtype) for t in tensors]
+    specs = ([((s.nbytes(),), torch.uint8) for s in storages.values()]
+             + [(tuple(t.shape), t.dtype) for _, ts in extras for t in ts])
     if not in_huge_pages(specs):
         return 0
     copies = iter(zeros_many(specs))
-    for ts in owners.values():
-        copy = next(copies).copy_(ts[0])
-        for t in ts:
-            t.data = copy
+    for key, storage in storages.items():
+        region = next(copies)
+        region.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+        for t in users[key]:
+            t.data = torch.empty(0, dtype=t.dtype).set_(
+                region.untyped_storage(), t.storage_offset(), t.shape, t.stride())
     for sub, ts in extras:
         sub.set_extra_weights([next(copies).copy_(t) for t in ts])
-    return sum(t.nbytes for t in tensors)
-
-
-def _owns_storage(t: torch.Tensor) -> bool:
-    return (t.device.type == "cpu" and t.is_contiguous() and t.storage_offset() == 0
-            and t.untyped_storage().nbytes() == t.nbytes > 0)
+    return sum(n for (n,), _ in specs[:len(storages)]) + sum(
+        t.nbytes for _, ts in extras for t in ts)

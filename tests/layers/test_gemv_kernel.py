@@ -73,7 +73,7 @@ def test_leading_dims_and_thread_counts(enabled):
 @pytest.mark.parametrize("k,n", [(1536, 2048), (8960, 96), (1001, 301), (100, 37)])
 def test_rows_are_batch_invariant_bit_for_bit(enabled, k, n):
     """Row i of a T-row call has the bits of the same row alone, for every T <= 16 and for
-    prefill sizes (all code paths: one weight stream at 1-4 rows, tiles beyond, column
+    prefill sizes (all code paths: one weight stream at 1-8 rows whose x fits in 16 KB, tiles beyond, column
     slices with accumulators set aside past 1024 columns, blocks of 96 rows), any position
     and thread count: what keeps bf16 greedy speculative decoding equal to plain decoding,
     with chunked prefills and prefix-cache hits too."""
