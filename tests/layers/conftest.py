@@ -24,20 +24,6 @@ def tiny_dir(tmp_path_factory):
     return str(path)
 
 
-@pytest.fixture
-def enabled(request):
-    """The test module's native kernel switched on for one test, skipped where it cannot be
-    built. The module names its kernel by KERNEL_UNAVAILABLE_REASON: a function returning
-    None once the kernel is loaded, else why not (building it if needed)."""
-    reason = request.module.KERNEL_UNAVAILABLE_REASON()
-    if reason is not None:
-        pytest.skip(f"native kernel unavailable: {reason}")
-    was = kernels.is_enabled()
-    kernels.set_enabled(True)
-    yield
-    kernels.set_enabled(was)
-
-
 @contextlib.contextmanager
 def _kernels_off():
     was = kernels.is_enabled()

@@ -10,15 +10,7 @@ from specmoe.kernels import argmax as argmax_kernel
 from specmoe.kernels.argmax import argmax, try_argmax
 
 
-@pytest.fixture
-def enabled():
-    reason = argmax_kernel._lazy.unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"native argmax unavailable: {reason}")
-    was = kernels.is_enabled()
-    kernels.set_enabled(True)
-    yield
-    kernels.set_enabled(was)
+KERNEL_UNAVAILABLE_REASON = argmax_kernel._lazy.unavailable_reason  # for the `enabled` fixture
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (1, 15), (2, 16), (3, 17), (16, 49152), (1, 151936),
