@@ -318,13 +318,13 @@ ALWAYS_INLINE void unit_impl(Query *qs, Chunk *ch, const uint16_t *q, const uint
     for (int64_t p0 = begin, r = 0; p0 < end; p0 += CHUNK, r ^= 1) {
         const int n = (int)(end - p0 < CHUNK ? end - p0 : CHUNK);
         const uint16_t **kp = rows[r], **vp = rows[r] + CHUNK;
-        /* the next chunk's rows (scattered over the cache: one head of each slot, slots in
-         * table order) are fetched while this one computes; with few query rows (`far`),
-         * the chunk after it too: one chunk ahead is too late to cover memory latency where
-         * a chunk is little work. From memory, decode of 16 SmolLM2-135M sequences ran
-         * 1.17x faster, 5-row verifications 1.11x, one 2000-key sequence 1.24x; prefill
-         * chunks lost 9% with it, so they keep to one chunk ahead. Asking for each chunk twice (2 ahead, then 1 ahead) beat a ring
-         * of rows prefetched once 2 chunks ahead (1.03x), as if requests were dropped. */
+        /* the next chunk's rows (scattered over the cache: one head of each slot, slots in table
+         * order) are fetched while this one computes; with few query rows (`far`), the chunk
+         * after it too: one chunk ahead is too late to cover memory latency where a chunk is
+         * little work. From memory, decode of 16 SmolLM2-135M sequences ran 1.17x faster, 5-row
+         * verifications 1.11x, one 2000-key sequence 1.24x; prefill chunks lost 9% with it, so
+         * they keep to one chunk ahead. Asking for each chunk twice (2 ahead, then 1 ahead) beat
+         * a ring of rows prefetched once 2 chunks ahead (1.03x), as if requests were dropped. */
         if (p0 + CHUNK < end) prefetch_rows(rows[r ^ 1], k_cache, v_cache, s, table, p0 + CHUNK, end, kvh, hd);
         if (far && p0 + 2 * CHUNK < end) {
             const uint16_t *ahead[2 * CHUNK];

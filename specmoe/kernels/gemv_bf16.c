@@ -23,8 +23,8 @@
  * Measured on 2 Zen 5 cores (SmolLM2-135M and Qwen2.5-1.5B matrices): 1-4 rows read at
  * ~85-100% of a plain streaming read, 5 rows (a K = 4 verification) of SmolLM2's 576- or
  * Qwen's 1536-column matrices about as fast as 1; from ~9 rows the multiplies (`vdpbf16ps`
- * throughput), not memory, set the pace: 16 rows cost ~1.3-1.5x one row, at ~80% of the vdpbf16ps peak
- * from cache; 17-64 rows run 1.1-2x torch's oneDNN `F.linear`, 256-1024 rows ~10-15% below
+ * throughput), not memory, set the pace: 16 rows cost ~1.3-1.5x one row, at ~80% of the
+ * vdpbf16ps peak from cache; 17-64 rows run 1.1-2x torch's oneDNN `F.linear`, 256-1024 rows ~10-15% below
  * it (~25-35% on 8960-column rows).
  *
  * Built by specmoe/kernels/build.py with gcc -O3 -march=native -fopenmp.
@@ -147,10 +147,10 @@ static inline __attribute__((always_inline)) void tile(
 /* Weight rows one after another, each with all G input rows, so a thread's range is one
  * forward stream for the hardware prefetcher (best while x is small enough for L1). One
  * accumulator per input row, as `tile` (batch invariance): the dependent vdpbf16ps chain
- * still outpaces memory at 1-4 rows, about keeps up at 5-8. From 5 rows the G sums of a weight row are taken
- * together (`reduce_add16`, same bits as one at a time): on SmolLM2-135M's matrices, read
- * from memory, 5-8 rows ran 1.15-1.25x faster this way than through tiles, whose 4 short
- * row streams per tile the prefetcher follows less well. */
+ * still outpaces memory at 1-4 rows, about keeps up at 5-8. From 5 rows the G sums of a
+ * weight row are taken together (`reduce_add16`, same bits as one at a time): on
+ * SmolLM2-135M's matrices, read from memory, 5-8 rows ran 1.15-1.25x faster this way than
+ * through tiles, whose 4 short row streams per tile the prefetcher follows less well. */
 static inline __attribute__((always_inline)) void rows_seq(
     const int G, const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
     int64_t K, int64_t N, int64_t n0, int64_t n1) {
