@@ -51,9 +51,26 @@ def zeros_many(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.T
     (64-byte aligned) in one mapping advised for huge pages. Each has a storage of its own
     (saving or copying one copies only its bytes) that keeps the mapping alive. Plain
     `torch.zeros` each where `in_huge_pages(specs)` is False."""
-    if not in_huge_pages(specs):
+    plan = _plan(specs)
+    if plan is None:
         return [torch.zeros(shape, dtype=dtype) for shape, dtype in specs]
+    return _carve(specs, *plan)
+
+
+def in_huge_pages(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> bool:
+    """Whether `zeros_many(specs)` maps a huge-page region: `supported()` and at least
+    MIN_BYTES in all."""
+    return _plan(specs) is not None
+
+
+def _plan(specs) -> tuple[list[int], int] | None:
+    """The region's layout (`_layout`) where `in_huge_pages(specs)`, else None."""
     offsets, total = _layout(specs)
+    return (offsets, total) if total >= MIN_BYTES and supported() else None
+
+
+def _carve(specs, offsets: list[int], total: int) -> list[torch.Tensor]:
+    """Zero tensors of `specs` at `offsets` in a fresh huge-page region of `total` bytes."""
     buf, start = _region(total)
     return [torch.frombuffer(buf, dtype=torch.uint8, count=_nbytes(shape, dtype),
                              offset=start + o).view(dtype).view(shape)
@@ -61,18 +78,12 @@ def zeros_many(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.T
             for o, (shape, dtype) in zip(offsets, specs)]
 
 
-def in_huge_pages(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> bool:
-    """Whether `zeros_many(specs)` maps a huge-page region: `supported()` and at least
-    MIN_BYTES in all."""
-    return _layout(specs)[1] >= MIN_BYTES and supported()
-
-
 def _layout(specs) -> tuple[list[int], int]:
     """Byte offsets of the tensors in a region, and its size."""
     offsets, total = [], 0
     for shape, dtype in specs:
         offsets.append(total)
-        total += -(-_nbytes(shape, dtype) // ALIGN) * ALIGN
+        total += _round_up(_nbytes(shape, dtype), ALIGN)
     return offsets, total
 
 
@@ -124,9 +135,10 @@ def rehome_module(module: nn.Module) -> int:
               if hasattr(sub, "extra_weights")]
     specs = ([((s.nbytes(),), torch.uint8) for s in storages.values()]
              + [(tuple(t.shape), t.dtype) for _, ts in extras for t in ts])
-    if not in_huge_pages(specs):
+    plan = _plan(specs)  # one check: zeros_many would make it again
+    if plan is None:
         return 0
-    copies = iter(zeros_many(specs))
+    copies = iter(_carve(specs, *plan))
     for key, storage in storages.items():
         region = next(copies)
         region.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
