@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import threading
 
 import torch
@@ -294,8 +295,9 @@ def _slice_buffer(num_elements: int) -> torch.Tensor:
 def dequantized_linear(kernel, weights: Int4Weights, x: torch.Tensor) -> torch.Tensor | None:
     """y = x @ W^T (+ bias) for x already checked as `Int4Weights.linear` requires, by
     slices of output rows: each slice of W dequantised to bf16 (`Int4Weights.to_bf16`, at
-    most DEQUANT_SLICE_BYTES) and multiplied by the bf16 GEMM with x rounded to bf16 and the
-    bias rounded to bf16 (added before the output's one rounding).
+    most DEQUANT_SLICE_BYTES), packed (`gemv.pack_weight`) and multiplied by the bf16 GEMM
+    with x rounded to bf16 and the bias rounded to bf16 (added before the output's one
+    rounding).
 
     Returns:
         [..., out] in x's dtype (its values bf16), or None where the bf16 GEMM is off or
@@ -306,13 +308,16 @@ def dequantized_linear(kernel, weights: Int4Weights, x: torch.Tensor) -> torch.T
     k, n = weights.num_in, weights.num_out
     xb = x.reshape(-1, k).to(torch.bfloat16)  # [T, in]
     bias = None if weights.bias is None else weights.bias.to(torch.bfloat16)
-    rows = min(n, max(16, DEQUANT_SLICE_BYTES // (2 * k) // 16 * 16))
+    rows = min(n, max(gemv.PANEL, DEQUANT_SLICE_BYTES // (2 * k) // gemv.PANEL * gemv.PANEL))
     y = torch.empty(xb.shape[0], n, dtype=torch.bfloat16) if n > rows else None  # [T, out]
+    buf = _slice_buffer(rows * k + math.prod(gemv.packed_shape(rows, k)))
     for start in range(0, n, rows):
         end = min(n, start + rows)
-        w = _slice_buffer(rows * k)[:(end - start) * k].view(end - start, k)
+        w = buf[:(end - start) * k].view(end - start, k)
         weights.to_bf16(kernel, start, end, w)
-        part = gemv.try_linear_bf16(xb, w, None if bias is None else bias[start:end])
+        shape = gemv.packed_shape(end - start, k)  # the slice packed after it in buf
+        packed = gemv.pack_weight(w, buf[rows * k:rows * k + math.prod(shape)].view(shape))
+        part = gemv.try_linear_bf16(xb, w, None if bias is None else bias[start:end], packed)
         if part is None:
             return None
         if y is None:

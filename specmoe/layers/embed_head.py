@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specmoe.layers.linear import Linear, linear
+from specmoe.kernels.gemv import PackedWeight
+from specmoe.layers.linear import Linear, PackedWeights, linear
 
 
 class VocabEmbedding(nn.Module):
@@ -20,12 +21,16 @@ class VocabEmbedding(nn.Module):
         return F.embedding(token_ids, self.weight)
 
 
-class TiedProjection(nn.Module):
+class TiedProjection(PackedWeights, nn.Module):
     """x @ E^T with the embedding's weight E [vocab_size, H], owning no parameter."""
 
     def __init__(self, embedding: VocabEmbedding) -> None:
         super().__init__()
         self._embedding = [embedding]  # a list, so the weight is not registered twice
+        self.weight_panels = PackedWeight()
+
+    def packed_weights(self) -> list[tuple[PackedWeight, torch.Tensor]]:
+        return [(self.weight_panels, self.weight)]
 
     @property
     def weight(self) -> torch.Tensor:
@@ -34,7 +39,7 @@ class TiedProjection(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] -> [T, vocab_size] in hidden's dtype (through `layers.linear.linear`,
         so decode-sized bf16 inputs on CPU take the native kernel)."""
-        return linear(hidden, self.weight)
+        return linear(hidden, self.weight, packed=self.weight_panels)
 
 
 class LMHead(nn.Module):

@@ -6,23 +6,52 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specmoe.kernels import try_linear_bf16
+from specmoe.kernels import gemv
+from specmoe.kernels.gemv import PackedWeight, try_linear_bf16
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | PackedWeight | None = None) -> torch.Tensor:
     """y = x @ weight^T (+ bias): x [..., in], weight [out, in], bias [out] -> [..., out].
 
     bf16 inputs on CPU take the native kernel (`specmoe.kernels.gemv`), which reads the
     weight once for all rows at close to memory bandwidth when decoding and sums every row
-    in one order whatever the number of rows; everything else, and the kernel switched off,
-    takes the reference `F.linear`. Raises what `F.linear` raises on mismatched shapes.
+    in one order whatever the number of rows, from the packed copy `packed` (see
+    `gemv.try_linear_bf16`; without one it packs the weight for this call); everything
+    else, and the kernel switched off, takes the reference `F.linear`. Raises what
+    `F.linear` raises on mismatched shapes.
     """
-    y = try_linear_bf16(x, weight, bias)
+    y = try_linear_bf16(x, weight, bias, packed)
     return F.linear(x, weight, bias) if y is None else y
 
 
-class Linear(nn.Module):
+class PackedWeights:
+    """For modules whose weights the bf16 kernel reads packed: `packed_weights()` lists
+    (cache, weight) pairs. `prepack()` packs them now (the model loader calls it before
+    moving the weights into huge pages); `extra_weights()` / `set_extra_weights()` let
+    `specmoe.utils.hugepages.rehome_module` move the packed copies too."""
+
+    def packed_weights(self) -> list[tuple[PackedWeight, torch.Tensor]]:
+        raise NotImplementedError
+
+    def prepack(self) -> None:
+        """Pack every weight the kernel will read (bf16 on CPU, kernels on and built)."""
+        for cache, weight in self.packed_weights():
+            if (weight.is_cpu and weight.dtype is torch.bfloat16 and gemv.is_enabled()
+                    and gemv.kernel_unavailable_reason() is None):
+                cache.get(weight)
+
+    def extra_weights(self) -> list[torch.Tensor]:
+        return [c.packed for c, _ in self.packed_weights() if c.packed is not None]
+
+    def set_extra_weights(self, tensors: list[torch.Tensor]) -> None:
+        copies = iter(tensors)
+        for cache, weight in self.packed_weights():
+            if cache.packed is not None:
+                cache.adopt(next(copies), weight)
+
+
+class Linear(PackedWeights, nn.Module):
     """y = x @ W^T (+ b).
 
     The weight is [out_features, in_features]. A fused layer (QKV, gate+up) is given a list
@@ -39,11 +68,24 @@ class Linear(nn.Module):
             self.weight.shard_sizes = sizes
             if self.bias is not None:
                 self.bias.shard_sizes = sizes
+        self.weight_panels = PackedWeight()
+
+    def packed_weights(self) -> list[tuple[PackedWeight, torch.Tensor]]:
+        return [(self.weight_panels, self.weight)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, in_features] -> [num_tokens, out_features], x's dtype."""
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.weight_panels)
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         """Plain-torch reference of `forward`."""
         return F.linear(x, self.weight, self.bias)
+
+
+def prepack_weights(model: nn.Module) -> int:
+    """`prepack()` every `PackedWeights` submodule of `model`; returns bytes packed."""
+    for sub in model.modules():
+        if isinstance(sub, PackedWeights):
+            sub.prepack()
+    return sum(t.nbytes for sub in model.modules() if isinstance(sub, PackedWeights)
+               for t in sub.extra_weights())

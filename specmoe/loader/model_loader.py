@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from specmoe.config import ArchConfig, ModelConfig
+from specmoe.layers.linear import prepack_weights
 from specmoe.layers.quantization import quantize_model
 from specmoe.loader.aliases import resolve_model_path
 from specmoe.loader.hf_dir import iter_safetensors, read_hf_config
@@ -82,6 +83,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
         quantize_model(model, config.quantization)
     model.eval().requires_grad_(False)
     if device.type == "cpu":
+        prepack_weights(model)  # the bf16 kernel's panel copies, moved with the rest:
         hugepages.rehome_module(model)  # decoding streams the weights: 2 MiB pages
     return LoadedModel(model, arch, path, device, dtype, max_len)
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specmoe.layers.linear import linear
+from specmoe.kernels import gemv
+from specmoe.kernels.gemv import PackedWeight
+from specmoe.layers.linear import PackedWeights, linear
 from specmoe.layers.mlp import silu_and_mul
 
 
-class RoutedExperts(nn.Module):
+class RoutedExperts(PackedWeights, nn.Module):
     """N SwiGLU experts with stacked weights.
 
     Parameters:
@@ -27,10 +29,23 @@ class RoutedExperts(nn.Module):
         # Read by the weight loader: leading expert dimension, gate/up row shards of w13.
         self.w13.num_experts = self.w2.num_experts = num_experts
         self.w13.shard_sizes = [intermediate_size, intermediate_size]
+        self.w13_panels, self.w2_panels = PackedWeight(), PackedWeight()
+
+    def packed_weights(self) -> list[tuple[PackedWeight, torch.Tensor]]:
+        return [(self.w13_panels, self.w13), (self.w2_panels, self.w2)]
 
     def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert e on x [n, H] -> [n, H] (`linear`: the decode kernel for a few rows)."""
-        return linear(silu_and_mul(linear(x, self.w13[e])), self.w2[e])
+        """Expert e on x [n, H] -> [n, H] (`linear`: the decode kernel for a few rows, on
+        the experts' packed weights)."""
+        h = linear(x, self.w13[e], packed=self._panels(self.w13_panels, self.w13, e, x))
+        h = silu_and_mul(h)
+        return linear(h, self.w2[e], packed=self._panels(self.w2_panels, self.w2, e, h))
+
+    @staticmethod
+    def _panels(cache: PackedWeight, weights: torch.Tensor, e: int, x: torch.Tensor
+                ) -> torch.Tensor | None:
+        """Expert e's packed weight where the kernel takes x (all experts packed at once)."""
+        return cache.get(weights)[e] if gemv.applies(x, weights[e]) else None
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
                 ) -> torch.Tensor:

@@ -1,0 +1,93 @@
+"""The bf16 kernel's panel layout: the C packer against the plain-torch one, the layers'
+packed copies (made once, remade after an edit, moved into huge pages with the weights)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specmoe import kernels
+from specmoe.kernels import gemv
+from specmoe.layers.embed_head import TiedProjection, VocabEmbedding
+from specmoe.layers.linear import Linear, prepack_weights
+from specmoe.layers.moe.experts import RoutedExperts
+from specmoe.utils import hugepages
+
+KERNEL_UNAVAILABLE_REASON = kernels.kernel_unavailable_reason  # for the `enabled` fixture
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (64, 2), (65, 33), (130, 576), (2, 5, 9)])
+def test_c_packer_matches_reference_and_unpacks(enabled, shape):
+    w = torch.randn(shape).bfloat16()
+    packed = gemv.pack_weight(w)
+    ref = gemv.pack_weight_reference(w)
+    assert packed.shape == ref.shape == (*shape[:-2], *gemv.packed_shape(*shape[-2:]))
+    assert torch.equal(packed, ref)
+    assert torch.equal(gemv.unpack_weight(packed, *shape[-2:]), w)
+    out = torch.full_like(ref, float("nan"))
+    assert gemv.pack_weight(w, out) is out and torch.equal(out, ref)
+
+
+def test_pack_rejects_bad_out_and_shapes(enabled):
+    w = torch.randn(10, 6).bfloat16()
+    with pytest.raises(ValueError, match=r"out must be \(1, 3, 64, 2\)"):
+        gemv.pack_weight(w, torch.empty(1, 3, 64, 1, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"\[\.\.\., out, in\]"):
+        gemv.pack_weight(torch.randn(6).bfloat16())
+
+
+def test_explicit_packed_weight_is_checked(enabled):
+    x, w = torch.randn(3, 40).bfloat16(), torch.randn(70, 40).bfloat16()
+    y = kernels.try_linear_bf16(x, w, None, gemv.pack_weight(w))
+    assert torch.equal(y, kernels.try_linear_bf16(x, w))
+    with pytest.raises(ValueError, match=r"packed weight must be \(2, 20, 64, 2\)"):
+        kernels.try_linear_bf16(x, w, None, gemv.pack_weight(w[:64]))
+
+
+def test_packed_weight_cache_repacks_after_edits(enabled):
+    layer = Linear(40, 70).bfloat16().requires_grad_(False)
+    torch.nn.init.normal_(layer.weight)
+    x = torch.randn(2, 40).bfloat16()
+    first = layer(x)
+    packed = layer.weight_panels.packed
+    assert packed is not None and layer(x) is not None and layer.weight_panels.packed is packed
+    layer.weight.mul_(2)  # in place through the parameter: seen
+    assert torch.equal(layer(x), kernels.try_linear_bf16(x, layer.weight))
+    assert not torch.equal(layer(x), first)
+    layer.weight.data = torch.randn(70, 40).bfloat16()  # new storage: seen
+    assert torch.equal(layer(x), kernels.try_linear_bf16(x, layer.weight))
+
+
+def test_prepack_and_huge_pages_move_the_packed_copies(enabled, monkeypatch):
+    monkeypatch.setattr(hugepages, "MIN_BYTES", 0)
+    torch.manual_seed(0)
+    emb = VocabEmbedding(300, 64).bfloat16()
+    model = torch.nn.ModuleList([Linear(64, 200).bfloat16(), TiedProjection(emb), emb,
+                                 RoutedExperts(3, 64, 96).bfloat16()])
+    for p in model.parameters():
+        torch.nn.init.normal_(p)
+    model.requires_grad_(False)
+    x = torch.randn(4, 64).bfloat16()
+    before = [model[0](x), model[1](x), model[3].expert_forward(2, x)]
+    for sub in (model[0], model[1], model[3]):
+        for cache, _ in sub.packed_weights():
+            cache.clear()
+    packed_bytes = prepack_weights(model)
+    assert packed_bytes == sum(t.nbytes for m in (model[0], model[1], model[3])
+                               for t in m.extra_weights()) > 0
+    moved = hugepages.rehome_module(model)
+    if hugepages.in_huge_pages([((1,), torch.uint8)]):
+        assert moved >= packed_bytes
+    caches = [c for m in (model[0], model[1], model[3]) for c, _ in m.packed_weights()]
+    kept = [c.packed for c in caches]
+    after = [model[0](x), model[1](x), model[3].expert_forward(2, x)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert all(c.packed is k for c, k in zip(caches, kept)), "rehomed copies were repacked"
+
+
+def test_no_packing_where_the_kernel_does_not_apply(enabled):
+    layer = Linear(40, 70).requires_grad_(False)  # float32
+    torch.nn.init.normal_(layer.weight)
+    layer(torch.randn(2, 40))
+    layer.prepack()
+    assert layer.weight_panels.packed is None and layer.extra_weights() == []
