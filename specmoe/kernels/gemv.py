@@ -148,11 +148,26 @@ class PackedWeight:
         return weight.data_ptr(), weight._version, tuple(weight.shape)
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
-        """The packed copy of `weight` [..., out, in] bf16, packing it now if needed."""
+        """The packed copy of `weight` [..., out, in] bf16, packing it now if needed (a
+        weight released to the meta device keeps the copy it had).
+
+        Raises:
+            RuntimeError: a released weight without a packed copy.
+        """
+        if weight.is_meta:
+            if self.packed is None:
+                raise RuntimeError(f"weight {tuple(weight.shape)} was released without a "
+                                   f"packed copy")
+            return self.packed
         if self._key != self._key_of(weight):
             self.packed = pack_weight(weight.detach())
             self._key = self._key_of(weight)
         return self.packed
+
+    def holds(self, weight: torch.Tensor) -> bool:
+        """Whether the packed copy is current for `weight` (on CPU, not released), so that
+        the weight's dense values may be dropped (`unpack_weight` gives them back)."""
+        return self.packed is not None and not weight.is_meta and self._key == self._key_of(weight)
 
     def adopt(self, packed: torch.Tensor, weight: torch.Tensor) -> None:
         """Use `packed` (the same values as the current copy, e.g. moved into huge pages)
@@ -171,7 +186,8 @@ def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 
 def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     bf16 = torch.bfloat16
-    if not (x.is_cpu and weight.is_cpu and x.dtype is bf16 and weight.dtype is bf16):
+    if not (x.is_cpu and (weight.is_cpu or weight.is_meta) and x.dtype is bf16
+            and weight.dtype is bf16):
         return False
     shape, w_shape = x.shape, weight.shape
     if (len(w_shape) != 2 or not shape or shape[-1] != w_shape[1] or not w_shape[0]
@@ -193,7 +209,8 @@ def try_linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
     Args:
         x: [..., in_features] bfloat16, contiguous, CPU, at least one row.
-        weight: [out_features, in_features] bfloat16, contiguous, CPU.
+        weight: [out_features, in_features] bfloat16, contiguous, CPU (or on the meta
+            device, released by `PackedWeight.release`, with `packed` given).
         bias: [out_features] bfloat16 or None.
         packed: weight in the panel layout (a tensor from `pack_weight`, or a
             `PackedWeight` asked for it only when the kernel applies); None packs it for
@@ -212,6 +229,8 @@ def try_linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if isinstance(packed, PackedWeight):
         packed = packed.get(weight)
     elif packed is None:
+        if weight.is_meta:  # released, and no packed copy given
+            return None
         packed = pack_weight(weight)
     else:
         _check_packed(packed, weight)

@@ -32,6 +32,7 @@
  * Built by specmoe/kernels/build.py with gcc -O3 -march=native -fopenmp.
  */
 #include <immintrin.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <omp.h>
 
@@ -60,7 +61,8 @@ static inline __attribute__((always_inline)) __m512i pair_x(const uint16_t *p) {
 }
 
 /* acc[t][i] += pairs [j0, j1) of the panel `wp` (pair-major, 64 rows) times x row t, for
- * G rows. With an odd K the last pair's x is x[K - 1] alone (its weight partner is 0). */
+ * G rows, prefetching pf + j's panel row as it goes (no prefetch if pf is NULL). With an
+ * odd K the last pair's x is x[K - 1] alone (its weight partner is 0). */
 static inline __attribute__((always_inline)) void panel_pass(
     const int G, const uint16_t *x, int64_t K, const uint16_t *wp, const uint16_t *pf,
     int64_t j0, int64_t j1, __m512 acc[][PANEL_VECS]) {
@@ -68,9 +70,10 @@ static inline __attribute__((always_inline)) void panel_pass(
     int64_t j = j0;
     for (; j < whole; j++) {
         const uint16_t *wj = wp + j * (2 * PANEL);
+        if (pf)
 #pragma GCC unroll 4
-        for (int i = 0; i < PANEL_VECS; i++)
-            _mm_prefetch((const char *)(pf + j * (2 * PANEL) + 32 * i), _MM_HINT_T0);
+            for (int i = 0; i < PANEL_VECS; i++)
+                _mm_prefetch((const char *)(pf + j * (2 * PANEL) + 32 * i), _MM_HINT_T0);
         __m512i wv[PANEL_VECS];
 #pragma GCC unroll 4
         for (int i = 0; i < PANEL_VECS; i++) wv[i] = _mm512_loadu_si512(wj + 32 * i);
@@ -156,8 +159,11 @@ static void panels(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, 
         for (int64_t j0 = 0; j0 < pairs; j0 += j_block) {
             const int64_t j1 = pairs - j0 < j_block ? pairs : j0 + j_block;
             for (int64_t t0 = 0, i = 0; t0 < T; t0 += G, i++) {
-                /* the first pass prefetches a little ahead, later ones the next slice */
-                const uint16_t *pf = panel + (i ? j_block : PREFETCH_PAIRS) * (2 * PANEL);
+                /* the first pass prefetches a little ahead, later ones the next slice; one
+                 * row alone leaves it to the hardware prefetcher (4 KB ahead cost ~7% in the
+                 * fast memory phase: 82 -> 77 GB/s on Qwen2.5-1.5B's matrices) */
+                const uint16_t *pf = T == 1 ? NULL
+                                     : panel + (i ? j_block : PREFETCH_PAIRS) * (2 * PANEL);
                 run_group((int)(T - t0 < G ? T - t0 : G), x + t0 * K, panel, pf, bias,
                           y + t0 * N, K, N, p * PANEL, j0, j1, spill[i]);
             }

@@ -22,7 +22,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     `F.linear` raises on mismatched shapes.
     """
     y = try_linear_bf16(x, weight, bias, packed)
-    return F.linear(x, weight, bias) if y is None else y
+    return F.linear(x, dense_weight(weight, packed), bias) if y is None else y
+
+
+def dense_weight(weight: torch.Tensor, packed: torch.Tensor | PackedWeight | None
+                 ) -> torch.Tensor:
+    """`weight`, or its values unpacked from `packed` where it was released to the meta
+    device (`PackedWeights.release_dense`). Raises RuntimeError if it was and there is no
+    packed copy."""
+    if not weight.is_meta:
+        return weight
+    if isinstance(packed, PackedWeight):
+        packed = packed.get(weight)  # raises without a copy
+    elif packed is None:
+        raise RuntimeError(f"weight {tuple(weight.shape)} was released and no packed copy "
+                           f"was given")
+    return gemv.unpack_weight(packed, *weight.shape)
 
 
 class PackedWeights:
@@ -40,6 +55,22 @@ class PackedWeights:
             if (weight.is_cpu and weight.dtype is torch.bfloat16 and gemv.is_enabled()
                     and gemv.kernel_unavailable_reason() is None):
                 cache.get(weight)
+
+    def release_dense(self) -> int:
+        """Drop the dense copy of every weight that is a parameter of this module and has a
+        current packed copy (`PackedWeight.holds`): the parameter is replaced by one of the
+        same shape and dtype on the meta device, the kernel reads the packed copy and the
+        plain-torch paths unpack it per call (`dense_weight`), so a CPU model is not held
+        in memory twice. `state_dict()` then has no values for it. Returns bytes freed."""
+        freed = 0
+        for cache, weight in self.packed_weights():
+            name = next((n for n, p in self._parameters.items() if p is weight), None)
+            if name is not None and cache.holds(weight):
+                setattr(self, name, nn.Parameter(
+                    torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
+                    requires_grad=False))
+                freed += weight.nbytes
+        return freed
 
     def extra_weights(self) -> list[torch.Tensor]:
         return [c.packed for c, _ in self.packed_weights() if c.packed is not None]
@@ -79,13 +110,17 @@ class Linear(PackedWeights, nn.Module):
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         """Plain-torch reference of `forward`."""
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, dense_weight(self.weight, self.weight_panels), self.bias)
 
 
-def prepack_weights(model: nn.Module) -> int:
-    """`prepack()` every `PackedWeights` submodule of `model`; returns bytes packed."""
-    for sub in model.modules():
-        if isinstance(sub, PackedWeights):
-            sub.prepack()
-    return sum(t.nbytes for sub in model.modules() if isinstance(sub, PackedWeights)
-               for t in sub.extra_weights())
+def prepack_weights(model: nn.Module, release_dense: bool = False) -> int:
+    """`prepack()` every `PackedWeights` submodule of `model`, then, with `release_dense`,
+    drop the dense copies of the packed weights the submodules own (`release_dense()`).
+    Returns the bytes of packed copies."""
+    subs = [sub for sub in model.modules() if isinstance(sub, PackedWeights)]
+    for sub in subs:
+        sub.prepack()
+    if release_dense:
+        for sub in subs:
+            sub.release_dense()
+    return sum(t.nbytes for sub in subs for t in sub.extra_weights())

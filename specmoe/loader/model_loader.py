@@ -83,7 +83,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
         quantize_model(model, config.quantization)
     model.eval().requires_grad_(False)
     if device.type == "cpu":
-        prepack_weights(model)  # the bf16 kernel's panel copies, moved with the rest:
+        # the bf16 kernel's panel copies replace the dense weights, and move with the rest:
+        prepack_weights(model, release_dense=True)
         hugepages.rehome_module(model)  # decoding streams the weights: 2 MiB pages
     return LoadedModel(model, arch, path, device, dtype, max_len)
 

@@ -91,3 +91,48 @@ def test_no_packing_where_the_kernel_does_not_apply(enabled):
     layer(torch.randn(2, 40))
     layer.prepack()
     assert layer.weight_panels.packed is None and layer.extra_weights() == []
+
+
+def _model_with_every_packed_kind():
+    torch.manual_seed(0)
+    emb = VocabEmbedding(300, 64).bfloat16()
+    model = torch.nn.ModuleList([Linear(64, 200, bias=True).bfloat16(), TiedProjection(emb),
+                                 emb, RoutedExperts(3, 64, 96).bfloat16()])
+    for p in model.parameters():
+        torch.nn.init.normal_(p)
+    return model.requires_grad_(False)
+
+
+def _outputs(model, x):
+    return [model[0](x), model[0].forward_reference(x), model[1](x),
+            model[3].expert_forward(2, x)]
+
+
+def test_released_dense_weights_keep_every_path(enabled):
+    """After `release_dense`, the owned weights live only in their packed copies: the
+    kernel, the plain-torch reference and the kernels-off path give what they gave before,
+    and the tied head keeps the embedding's table."""
+    model = _model_with_every_packed_kind()
+    x = torch.randn(5, 64).bfloat16()
+    before = _outputs(model, x)
+    kernels.set_enabled(False)
+    before_off = _outputs(model, x)
+    kernels.set_enabled(True)
+    dense = model[0].weight.nbytes + model[3].w13.nbytes + model[3].w2.nbytes
+    prepack_weights(model)
+    assert sum(m.release_dense() for m in (model[0], model[1], model[3])) == dense
+    assert model[0].weight.is_meta and model[3].w13.is_meta and model[3].w2.is_meta
+    assert model[2].weight.is_cpu and model[1].weight.is_cpu
+    assert all(torch.equal(a, b) for a, b in zip(_outputs(model, x), before))
+    kernels.set_enabled(False)
+    assert all(torch.equal(a, b) for a, b in zip(_outputs(model, x), before_off))
+    assert model[0].release_dense() == 0  # once
+
+
+def test_release_without_a_packed_copy_keeps_the_weight(enabled):
+    layer = Linear(64, 70).bfloat16().requires_grad_(False)
+    torch.nn.init.normal_(layer.weight)
+    assert layer.release_dense() == 0 and layer.weight.is_cpu
+    layer.prepack()
+    layer.weight.data = layer.weight.data.clone()  # the copy is stale now
+    assert layer.release_dense() == 0 and layer.weight.is_cpu

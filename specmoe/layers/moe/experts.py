@@ -44,8 +44,11 @@ class RoutedExperts(PackedWeights, nn.Module):
     @staticmethod
     def _panels(cache: PackedWeight, weights: torch.Tensor, e: int, x: torch.Tensor
                 ) -> torch.Tensor | None:
-        """Expert e's packed weight where the kernel takes x (all experts packed at once)."""
-        return cache.get(weights)[e] if gemv.applies(x, weights[e]) else None
+        """Expert e's packed weight where the kernel takes x or the weights were released
+        (all experts packed at once)."""
+        if weights.is_meta or gemv.applies(x, weights[e]):
+            return cache.get(weights)[e]
+        return None
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
                 ) -> torch.Tensor:
