@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from specmoe import kernels
+from specmoe.kernels import gemv
 from specmoe.bench.roofline import measure_read_bandwidth
 
 # (name, in_features, out_features) of Qwen2.5-1.5B: hidden 1536, intermediate 8960.
@@ -57,14 +58,17 @@ def bench_shape(name: str, k: int, n: int, rows: list[int], args) -> None:
     weights = list(block.split(n))
     biases = [torch.randn(n).bfloat16() if name == "qkv" else None for _ in range(copies)]
     stream = block.view(torch.float32)
-    kernel = lambda x, w, b: kernels.try_linear_bf16(x, w, b)  # noqa: E731
+    packed = [(w, gemv.pack_weight(w)) for w in weights]  # the kernel reads the packed copy
+    kernel = lambda x, wp, b: kernels.try_linear_bf16(x, wp[0], b, wp[1])  # noqa: E731
+    inputs = {"kernel": (kernel, packed), "torch": (F.linear, weights)}
     for t in rows:
         x = torch.randn(t, k).bfloat16()
         gbs = {"kernel": [], "torch": [], "stream": []}
-        time_pass(kernel, x, weights, biases), time_pass(F.linear, x, weights, biases)
+        for fn, ws in inputs.values():
+            time_pass(fn, x, ws, biases)
         for _ in range(args.reps):
-            for label, fn in (("kernel", kernel), ("torch", F.linear)):
-                gbs[label].append(nbytes * copies / time_pass(fn, x, weights, biases) / 1e9)
+            for label, (fn, ws) in inputs.items():
+                gbs[label].append(nbytes * copies / time_pass(fn, x, ws, biases) / 1e9)
             start = time.perf_counter()
             stream.sum().item()
             gbs["stream"].append(nbytes * copies / (time.perf_counter() - start) / 1e9)
@@ -94,8 +98,14 @@ def bench_e2e(args, bandwidth: float) -> None:
     from specmoe import LLM
     from specmoe.bench.roofline import weight_bytes_per_token
     from specmoe.utils.data import load_prompts
+    from specmoe.layers.linear import prepack_weights
+    from specmoe.utils import hugepages
+    kernels.set_enabled(False)  # loaded without packing, so the dense weights stay for "off"
     llm = LLM(args.e2e_model, dtype="bfloat16",
               speculative={"method": "ngram", "num_speculative_tokens": args.k})
+    kernels.set_enabled(True)
+    prepack_weights(llm.target.model)  # the kernel's copies beside them, all in huge pages
+    hugepages.rehome_module(llm.target.model)
     bytes_per_token = weight_bytes_per_token(llm.target.model)
     prompts = [p.text for p in load_prompts("humaneval", args.e2e_prompts)]
     ids = [llm.tokenizer.encode(p, add_special_tokens=False) for p in prompts]

@@ -29,7 +29,7 @@ import time
 import torch
 
 from specmoe import kernels
-from specmoe.kernels import gemv_int4
+from specmoe.kernels import gemv, gemv_int4
 
 # (name, in_features, out_features) of Qwen2.5-0.5B: hidden 896, intermediate 4864, vocab
 # 151936 (the tied LM head); k and v are separate [128, 896] projections.
@@ -75,7 +75,8 @@ def bench_shape(name: str, k: int, n: int, args) -> None:
         "ours": (lambda x, w: w.linear(x), ours, int4_bytes(n, k)),
         "torch": (lambda x, w: torch.ops.aten._weight_int4pack_mm_for_cpu(x, w[0], GROUP, w[1]),
                   theirs, int4_bytes(n, k)),
-        "bf16": (lambda x, w: kernels.try_linear_bf16(x, w), bf16, n * k * 2),
+        "bf16": (lambda x, wp: kernels.try_linear_bf16(x, wp[0], None, wp[1]),
+                 [(w, gemv.pack_weight(w)) for w in bf16], n * k * 2),
     }
     for t in [int(r) for r in args.rows.split(",")]:
         x = torch.randn(t, k).bfloat16()  # [T, in]

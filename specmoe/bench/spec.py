@@ -97,12 +97,15 @@ def run_sweep(cfg: SpecBenchConfig, engines: dict, prompts: list[BenchPrompt]) -
         task = progress.add_task("bench spec", total=total)
         for i, prompt in enumerate(prompts):
             for temp in cfg.temperatures:
-                # the machine's bandwidth drifts by tens of percent within minutes: probe it
-                # beside every plain run, so the roofline compares like with like
-                bandwidth = measure_read_bandwidth(PROBE_BYTES, repeats=3,
-                                                   device=engines["plain"].target.device)
+                # the machine's bandwidth drifts by tens of percent within minutes, at
+                # times within seconds: probe it before and after every plain run, so the
+                # roofline compares like with like
+                device = engines["plain"].target.device
+                before = measure_read_bandwidth(PROBE_BYTES, repeats=3, device=device)
                 plain = _run(engines["plain"], prompt, 0, temp, cfg, "none")
-                runs.append(plain | {"prompt": i, "read_bandwidth": bandwidth})
+                after = measure_read_bandwidth(PROBE_BYTES, repeats=3, device=device)
+                runs.append(plain | {"prompt": i, "read_bandwidth": before,
+                                     "read_bandwidth_after": after})
                 progress.advance(task)
                 for name in cfg.proposers:
                     for k in cfg.ks:
@@ -149,20 +152,28 @@ def _row(key: tuple, rs: list[dict]) -> dict:
     return row
 
 
+def run_bandwidth(run: dict) -> float:
+    """The bandwidth a plain run is set against: the higher of the probes taken just
+    before and just after it (runs from before the second probe: the first alone), so a
+    change of the machine's memory speed during the run understates its roofline
+    fraction, never overstates it."""
+    return max(run["read_bandwidth"], run.get("read_bandwidth_after", 0.0))
+
+
 def roofline(engine, runs: list[dict]) -> dict:
     """Plain greedy decode tokens/s against read bandwidth / weight bytes per token, each
-    plain run against the bandwidth probed just before it; the fraction reported is the
-    median over runs (min and max kept), the bandwidth the median probe."""
+    plain run against its own probes (`run_bandwidth`); the fraction reported is the
+    median over runs (min and max kept), the bandwidth the median of the runs'."""
     plain = [r for r in runs if r["proposer"] == "none" and r["temperature"] == 0]
     weight_bytes = weight_bytes_per_token(engine.target.model)
     fractions = [(r["num_tokens"] - 1) / r["decode_seconds"] * weight_bytes
-                 / r["read_bandwidth"] for r in plain]
-    bandwidth = statistics.median(r["read_bandwidth"] for r in plain)
+                 / run_bandwidth(r) for r in plain]
+    bandwidth = statistics.median(run_bandwidth(r) for r in plain)
     decode_tps = sum(r["num_tokens"] - 1 for r in plain) / sum(r["decode_seconds"]
                                                                for r in plain)
     return {"read_bandwidth_gb_s": bandwidth / 1e9,
-            "read_bandwidth_range_gb_s": [min(r["read_bandwidth"] for r in plain) / 1e9,
-                                          max(r["read_bandwidth"] for r in plain) / 1e9],
+            "read_bandwidth_range_gb_s": [min(run_bandwidth(r) for r in plain) / 1e9,
+                                          max(run_bandwidth(r) for r in plain) / 1e9],
             "weight_bytes_per_token": weight_bytes,
             "roofline_tokens_per_s": bandwidth / weight_bytes,
             "plain_decode_tokens_per_s": decode_tps,

@@ -125,6 +125,25 @@ def test_roofline_sets_each_plain_run_against_its_own_bandwidth_probe(tmp_path):
     assert "80-90% of the roofline, median 85%" in markdown(results)
 
 
+def test_roofline_takes_the_higher_of_the_probes_around_a_run():
+    """Memory sped up during run 0 (probe after it 2x the one before): the run is set
+    against the faster probe, so its fraction halves rather than doubling."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from specmoe.bench.spec import roofline, run_bandwidth
+    model = nn.Linear(1000, 1000, bias=False)
+    engine = SimpleNamespace(target=SimpleNamespace(model=model))
+    wb = weight_bytes_per_token(model)
+    runs = [_run("humaneval", "none", 0, 0.0, 101, 100 / (0.8 * 1e9 / wb)),
+            _run("humaneval", "none", 0, 0.0, 101, 100 / (0.8 * 1e9 / wb))]
+    runs[0]["read_bandwidth"], runs[0]["read_bandwidth_after"] = 1e9, 2e9
+    runs[1]["read_bandwidth"], runs[1]["read_bandwidth_after"] = 1e9, 0.5e9
+    assert [run_bandwidth(r) for r in runs] == [2e9, 1e9]
+    assert roofline(engine, runs)["fraction_of_roofline_range"] == pytest.approx([0.4, 0.8])
+
+
 def test_title_names_only_the_proposers_that_ran_and_bad_proposers_fail_first():
     from specmoe.bench.report import markdown
     from specmoe.bench.spec import SpecBenchConfig, run_spec_bench
