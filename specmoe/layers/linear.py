@@ -114,13 +114,12 @@ class Linear(PackedWeights, nn.Module):
 
 
 def prepack_weights(model: nn.Module, release_dense: bool = False) -> int:
-    """`prepack()` every `PackedWeights` submodule of `model`, then, with `release_dense`,
-    drop the dense copies of the packed weights the submodules own (`release_dense()`).
+    """`prepack()` every `PackedWeights` submodule of `model` and, with `release_dense`,
+    drop the dense copies of the packed weights it owns (`release_dense()`) right after.
     Returns the bytes of packed copies."""
     subs = [sub for sub in model.modules() if isinstance(sub, PackedWeights)]
     for sub in subs:
         sub.prepack()
-    if release_dense:
-        for sub in subs:
+        if release_dense:  # one module at a time: memory peaks at the model + one module
             sub.release_dense()
     return sum(t.nbytes for sub in subs for t in sub.extra_weights())
