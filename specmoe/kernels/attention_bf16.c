@@ -87,34 +87,6 @@ ALWAYS_INLINE __m512i load_pairs(const uint16_t *p, int64_t c, const int64_t hd)
     return _mm512_maskz_loadu_epi16(m, p + 32 * c);
 }
 
-/* Transpose 16 x 16 dwords in place: r[j] lane i becomes r[i] lane j. */
-ALWAYS_INLINE void transpose16(__m512i *r) {
-    __m512i t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    /* r[4a + b] now holds, in 128-bit lane L, column 4L + b of rows 4a .. 4a+3: row 4L + b
-     * of the result is lane L of r[b], r[4 + b], r[8 + b] and r[12 + b] */
-    for (int b = 0; b < 4; b++) {
-        __m512i x0 = _mm512_shuffle_i32x4(r[b], r[4 + b], 0x88);
-        __m512i x1 = _mm512_shuffle_i32x4(r[b], r[4 + b], 0xDD);
-        __m512i x2 = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0x88);
-        __m512i x3 = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0xDD);
-        t[b] = _mm512_shuffle_i32x4(x0, x2, 0x88);
-        t[8 + b] = _mm512_shuffle_i32x4(x0, x2, 0xDD);
-        t[4 + b] = _mm512_shuffle_i32x4(x1, x3, 0x88);
-        t[12 + b] = _mm512_shuffle_i32x4(x1, x3, 0xDD);
-    }
-    for (int i = 0; i < 16; i++) r[i] = t[i];
-}
-
 /* The chunk's n keys (rows kp[j]) transposed and its values paired; rows past n read as
  * zeros. */
 ALWAYS_INLINE void load_chunk(Chunk *ch, const uint16_t *const *kp, const uint16_t *const *vp,
@@ -122,7 +94,7 @@ ALWAYS_INLINE void load_chunk(Chunk *ch, const uint16_t *const *kp, const uint16
     for (int64_t c = 0; c < (hd + 31) / 32; c++) {
         __m512i r[16];
         for (int j = 0; j < CHUNK; j++) r[j] = j < n ? load_pairs(kp[j], c, hd) : _mm512_setzero_si512();
-        transpose16(r);
+        transpose16_epi32(r);
         for (int i = 0; i < 16 && 16 * c + i < hd / 2; i++) ch->kt[16 * c + i] = r[i];
     }
     for (int jp = 0; jp < CHUNK / 2; jp++)

@@ -1,6 +1,6 @@
 /* bf16 <-> fp32 conversions (scalar and 16 lanes, round to nearest even, NaN kept a quiet
- * NaN) and exp512, exp(x) in the 16 fp32 lanes of an AVX-512 register: shared by the bf16
- * and int4 linear, attention and elementwise kernels; specmoe/kernels/build.py hashes this header
+ * NaN), exp512, exp(x) in the 16 fp32 lanes of an AVX-512 register, and a 16 x 16 dword
+ * transpose: shared by the bf16 and int4 linear, attention and elementwise kernels; specmoe/kernels/build.py hashes this header
  * into their cache keys. */
 #ifndef SPECMOE_AVX512_MATH_H
 #define SPECMOE_AVX512_MATH_H
@@ -57,6 +57,34 @@ static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_maskz_scalef_ps(~tiny, p, n);
+}
+
+/* Transpose 16 x 16 dwords in place: r[j] lane i becomes r[i] lane j. */
+static inline __attribute__((always_inline)) void transpose16_epi32(__m512i *r) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    /* r[4a + b] now holds, in 128-bit lane L, column 4L + b of rows 4a .. 4a+3: row 4L + b
+     * of the result is lane L of r[b], r[4 + b], r[8 + b] and r[12 + b] */
+    for (int b = 0; b < 4; b++) {
+        __m512i x0 = _mm512_shuffle_i32x4(r[b], r[4 + b], 0x88);
+        __m512i x1 = _mm512_shuffle_i32x4(r[b], r[4 + b], 0xDD);
+        __m512i x2 = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0x88);
+        __m512i x3 = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0xDD);
+        t[b] = _mm512_shuffle_i32x4(x0, x2, 0x88);
+        t[8 + b] = _mm512_shuffle_i32x4(x0, x2, 0xDD);
+        t[4 + b] = _mm512_shuffle_i32x4(x1, x3, 0x88);
+        t[12 + b] = _mm512_shuffle_i32x4(x1, x3, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
 }
 
 #endif /* SPECMOE_AVX512_MATH_H */

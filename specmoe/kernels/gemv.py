@@ -123,8 +123,8 @@ def pack_weight(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     for w, o in zip(w3, o3):
         status = kernel.library.specmoe_pack_bf16(w.data_ptr(), o.data_ptr(), n, k,
                                                   torch.get_num_threads())
-        if status != 0:
-            raise ValueError(f"weight rows of {k} elements are too long to pack")
+        if status != 0:  # the shape checks above rule it out
+            raise RuntimeError(f"specmoe_pack_bf16 rejected a [{n}, {k}] weight: {status}")
     return out
 
 
