@@ -1,5 +1,6 @@
 /* y[T, N] = x[T, K] @ W^T (+ b[N]) for int4 weights, T <= 16, fp32 accumulation; and the
- * pass that dequantises rows of W to bf16 for many rows of x (specmoe_int4_to_bf16, at the end).
+ * pass that dequantises rows of W to bf16 for many rows of x (specmoe_int4_to_bf16 and,
+ * into the bf16 kernel's panel layout, specmoe_int4_to_bf16_panels, at the end).
  *
  * Layout (specmoe/kernels/gemv_int4.py `pack_int4`), groups of 32 inputs, K % 32 == 0:
  *   packed  uint8 [N, K/2]: byte j of row n = q[n, 2j] | q[n, 2j+1] << 4, q in [0, 15]
@@ -497,13 +498,33 @@ int specmoe_linear_int4(const struct specmoe_int4_weights *w, const void *x, voi
     return 0;
 }
 
-/* Rows [n0, n1) of W = (q - 8) * s + z as bf16 into out [n1 - n0, K] (row-major): each value
- * in fp32 ((q - 8) * s is exact there; + z rounds once), rounded to nearest even, i.e.
- * `int4_dequantize(..., torch.bfloat16)` bit for bit, except that the AVX512-BF16 build
- * flushes denormal results to zero and NaNs may carry another payload. For many rows of x
- * (prefill), where a GEMM on bf16 weights (gemv_bf16.c) runs 1.3-2.3x torch's int4 kernel
- * even counting this pass. Returns 0, or -1 for a row range outside [0, N] or K not a
- * positive multiple of 32. */
+/* Group g of row n of W = (q - 8) * s + z as 32 bf16 in input order: each value in fp32
+ * ((q - 8) * s is exact there; + z rounds once), rounded to nearest even. */
+static inline __attribute__((always_inline)) __m512i dequant_group(
+    const struct specmoe_int4_weights *w, int64_t n, int64_t g) {
+    /* bf16 pairs (low nibble's value, high nibble's) back into input order */
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
+                                           9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
+                                           17, 1, 16, 0);
+    const uint8_t *pr = w->packed + n * w->w_stride;  /* byte j = input 2j | input 2j+1 << 4 */
+    const uint16_t *sr = w->scales + n * w->sz_stride, *zr = w->zeros + n * w->sz_stride;
+    const __m512 s = _mm512_set1_ps(bf16_to_f32(sr[g]));
+    const __m512 z = _mm512_set1_ps(bf16_to_f32(zr[g]));
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(pr + g * 16)));
+    const __m512 eight = _mm512_set1_ps(8.0f);
+    const __m512 q_even = _mm512_sub_ps(
+        _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F))), eight);
+    const __m512 q_odd = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), eight);
+    const __m256i even = f32x16_to_bf16(_mm512_add_ps(_mm512_mul_ps(q_even, s), z));
+    const __m256i odd = f32x16_to_bf16(_mm512_add_ps(_mm512_mul_ps(q_odd, s), z));
+    return _mm512_permutexvar_epi16(order, _mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1));
+}
+
+/* Rows [n0, n1) of W as bf16 into out [n1 - n0, K] (row-major), each value as
+ * `dequant_group` computes it: `int4_dequantize(..., torch.bfloat16)` bit for bit, except
+ * that the AVX512-BF16 build flushes denormal results to zero and NaNs may carry another
+ * payload. Returns 0, or -1 for a row range outside [0, N] or K not a positive multiple of
+ * 32. */
 int specmoe_int4_to_bf16(const struct specmoe_int4_weights *w, uint16_t *out, int64_t n0,
                          int64_t n1, int num_threads) {
     const int64_t K = w->K, NG = K / GROUP;
@@ -511,28 +532,40 @@ int specmoe_int4_to_bf16(const struct specmoe_int4_weights *w, uint16_t *out, in
     const int64_t max_threads = (n1 - n0) * K / (MIN_BYTES_PER_THREAD * 2);
     if (num_threads > max_threads) num_threads = (int)max_threads;
     if (num_threads < 1) num_threads = 1;
-    /* bf16 pairs (low nibble's value, high nibble's) back into input order */
-    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
-                                           9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
-                                           17, 1, 16, 0);
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *pr = w->packed + n * w->w_stride;
-        const uint16_t *sr = w->scales + n * w->sz_stride, *zr = w->zeros + n * w->sz_stride;
-        uint16_t *o = out + (n - n0) * K;
-        for (int64_t g = 0; g < NG; g++) { /* 16 bytes: byte j = input 2j | input 2j+1 << 4 */
-            const __m512 s = _mm512_set1_ps(bf16_to_f32(sr[g]));
-            const __m512 z = _mm512_set1_ps(bf16_to_f32(zr[g]));
-            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(pr + g * 16)));
-            const __m512 eight = _mm512_set1_ps(8.0f);
-            const __m512 q_even = _mm512_sub_ps(
-                _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F))), eight);
-            const __m512 q_odd = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), eight);
-            const __m256i even = f32x16_to_bf16(_mm512_add_ps(_mm512_mul_ps(q_even, s), z));
-            const __m256i odd = f32x16_to_bf16(_mm512_add_ps(_mm512_mul_ps(q_odd, s), z));
-            const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1);
-            _mm512_storeu_si512(o + g * GROUP, _mm512_permutexvar_epi16(order, both));
-        }
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t g = 0; g < NG; g++)
+            _mm512_storeu_si512(out + (n - n0) * K + g * GROUP, dequant_group(w, n, g));
+    return 0;
+}
+
+/* Rows [n0, n1) of W, dequantised as `specmoe_int4_to_bf16` does, straight into the bf16
+ * kernel's panel layout (gemv_bf16.c: [ceil((n1 - n0) / 64)][K / 2][64][2], rows past n1
+ * zero): for many rows of x (prefill), where a GEMM on bf16 weights runs 1.3-2.3x torch's
+ * int4 kernel even counting this pass; 16 rows' groups transposed at a time, so that
+ * dequantising and packing cost one pass. Returns 0, or -1 as specmoe_int4_to_bf16. */
+int specmoe_int4_to_bf16_panels(const struct specmoe_int4_weights *w, uint16_t *out,
+                                int64_t n0, int64_t n1, int num_threads) {
+    const int64_t K = w->K, NG = K / GROUP, pairs = K / 2, panel = 64;
+    if (n0 < 0 || n1 > w->N || n0 > n1 || K < GROUP || K % GROUP) return -1;
+    const int64_t num_panels = (n1 - n0 + panel - 1) / panel;
+    const int64_t max_threads = (n1 - n0) * K / (MIN_BYTES_PER_THREAD * 2);
+    if (num_threads > max_threads) num_threads = (int)max_threads;
+    if (num_threads > num_panels) num_threads = (int)num_panels;
+    if (num_threads < 1) num_threads = 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t p = 0; p < num_panels; p++) {
+        uint32_t *o = (uint32_t *)(out + p * pairs * (2 * panel));
+        for (int64_t g = 0; g < NG; g++)  /* a group: 16 pairs */
+            for (int64_t r0 = 0; r0 < panel; r0 += 16) {
+                __m512i v[16];
+                for (int r = 0; r < 16; r++) {
+                    const int64_t n = n0 + p * panel + r0 + r;
+                    v[r] = n < n1 ? dequant_group(w, n, g) : _mm512_setzero_si512();
+                }
+                transpose16_epi32(v);
+                for (int i = 0; i < 16; i++) _mm512_storeu_si512(o + (16 * g + i) * panel + r0, v[i]);
+            }
     }
     return 0;
 }

@@ -90,9 +90,10 @@ def load_kernel(extra_flags: tuple[str, ...] = ()):
                    ctypes.c_int, ctypes.c_int]
     fn.restype = ctypes.c_int
     lib.specmoe_gemv_int4_isa.restype = ctypes.c_int
-    lib.specmoe_int4_to_bf16.argtypes = [ctypes.POINTER(_CWeights), ctypes.c_void_p,
-                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-    lib.specmoe_int4_to_bf16.restype = ctypes.c_int
+    for dequant in (lib.specmoe_int4_to_bf16, lib.specmoe_int4_to_bf16_panels):
+        dequant.argtypes = [ctypes.POINTER(_CWeights), ctypes.c_void_p, ctypes.c_int64,
+                            ctypes.c_int64, ctypes.c_int]
+        dequant.restype = ctypes.c_int
     fn.library = lib
     return fn
 
@@ -233,24 +234,30 @@ class Int4Weights:
             return None if y is None else y.view(*x.shape[:-1], self.num_out)
         return run_kernel(kernel, self, x)
 
-    def to_bf16(self, kernel, start: int, end: int, out: torch.Tensor) -> None:
-        """Rows [start, end) of W as bf16 into out [end - start, in] (contiguous), computed as
-        `int4_dequantize(..., torch.bfloat16)` does, bit for bit.
+    def to_bf16(self, kernel, start: int, end: int, out: torch.Tensor,
+                panels: bool = False) -> None:
+        """Rows [start, end) of W as bf16 into out (contiguous), computed as
+        `int4_dequantize(..., torch.bfloat16)` does, bit for bit: out is [end - start, in],
+        or with `panels` the bf16 kernel's packed layout of those rows
+        (`gemv.packed_shape(end - start, in)`, as `gemv.pack_weight` gives).
 
         Raises:
             ValueError: a row range outside [0, out_features] or an `out` that does not fit
-                (not [end - start, in] contiguous bfloat16 on CPU).
+                (not that shape, contiguous bfloat16 on CPU).
         """
         if not 0 <= start <= end <= self.num_out:
             raise ValueError(f"rows [{start}, {end}) outside [0, {self.num_out}]")
+        shape = gemv.packed_shape(end - start, self.num_in) if panels else (end - start,
+                                                                            self.num_in)
         if (out.dtype is not torch.bfloat16 or not out.is_cpu or not out.is_contiguous()
-                or out.shape != (end - start, self.num_in)):
-            raise ValueError(f"out must be [{end - start}, {self.num_in}] contiguous bfloat16 "
+                or tuple(out.shape) != tuple(shape)):
+            raise ValueError(f"out must be {list(shape)} contiguous bfloat16 "
                              f"on CPU, got {out.dtype} {tuple(out.shape)} on {out.device}")
-        status = kernel.library.specmoe_int4_to_bf16(self._c, out.data_ptr(), start, end,
-                                                     torch.get_num_threads())
+        lib = kernel.library
+        dequant = lib.specmoe_int4_to_bf16_panels if panels else lib.specmoe_int4_to_bf16
+        status = dequant(self._c, out.data_ptr(), start, end, torch.get_num_threads())
         if status != 0:  # the checks above rule it out
-            raise RuntimeError(f"specmoe_int4_to_bf16 rejected rows [{start}, {end}): {status}")
+            raise RuntimeError(f"int4 dequantisation rejected rows [{start}, {end}): {status}")
 
 
 def run_kernel(kernel, weights: Int4Weights, x: torch.Tensor,
@@ -294,10 +301,10 @@ def _slice_buffer(num_elements: int) -> torch.Tensor:
 
 def dequantized_linear(kernel, weights: Int4Weights, x: torch.Tensor) -> torch.Tensor | None:
     """y = x @ W^T (+ bias) for x already checked as `Int4Weights.linear` requires, by
-    slices of output rows: each slice of W dequantised to bf16 (`Int4Weights.to_bf16`, at
-    most DEQUANT_SLICE_BYTES), packed (`gemv.pack_weight`) and multiplied by the bf16 GEMM
-    with x rounded to bf16 and the bias rounded to bf16 (added before the output's one
-    rounding).
+    slices of output rows: each slice of W dequantised to bf16 straight into the bf16
+    kernel's packed layout (`Int4Weights.to_bf16(..., panels=True)`, at most
+    DEQUANT_SLICE_BYTES) and multiplied by the bf16 GEMM with x rounded to bf16 and the bias
+    rounded to bf16 (added before the output's one rounding).
 
     Returns:
         [..., out] in x's dtype (its values bf16), or None where the bf16 GEMM is off or
@@ -310,14 +317,15 @@ def dequantized_linear(kernel, weights: Int4Weights, x: torch.Tensor) -> torch.T
     bias = None if weights.bias is None else weights.bias.to(torch.bfloat16)
     rows = min(n, max(gemv.PANEL, DEQUANT_SLICE_BYTES // (2 * k) // gemv.PANEL * gemv.PANEL))
     y = torch.empty(xb.shape[0], n, dtype=torch.bfloat16) if n > rows else None  # [T, out]
-    buf = _slice_buffer(rows * k + math.prod(gemv.packed_shape(rows, k)))
+    buf = _slice_buffer(math.prod(gemv.packed_shape(rows, k)))
     for start in range(0, n, rows):
         end = min(n, start + rows)
-        w = buf[:(end - start) * k].view(end - start, k)
-        weights.to_bf16(kernel, start, end, w)
-        shape = gemv.packed_shape(end - start, k)  # the slice packed after it in buf
-        packed = gemv.pack_weight(w, buf[rows * k:rows * k + math.prod(shape)].view(shape))
-        part = gemv.try_linear_bf16(xb, w, None if bias is None else bias[start:end], packed)
+        shape = gemv.packed_shape(end - start, k)
+        packed = buf[:math.prod(shape)].view(shape)
+        weights.to_bf16(kernel, start, end, packed, panels=True)
+        shape_only = torch.empty(end - start, k, dtype=torch.bfloat16, device="meta")
+        part = gemv.try_linear_bf16(xb, shape_only, None if bias is None else bias[start:end],
+                                    packed)
         if part is None:
             return None
         if y is None:

@@ -11,7 +11,7 @@ import torch
 
 from specmoe import kernels
 from specmoe.config import ModelConfig
-from specmoe.kernels import gemv_int4
+from specmoe.kernels import gemv, gemv_int4
 from specmoe.layers.quantization import (Int4Linear, int4_dequantize, int4_linear_reference,
                                          quantize_int4)
 from specmoe.loader.model_loader import load_model
@@ -186,6 +186,14 @@ def test_to_bf16_is_int4_dequantize_bit_for_bit(enabled):
             out = torch.empty(end - start, k, dtype=torch.bfloat16)
             weights.to_bf16(kernel, start, end, out)
             assert torch.equal(out.view(torch.int16), ref[start:end].view(torch.int16))
+            if end > start:  # straight into the bf16 kernel's panels: pack_weight's layout
+                panels = torch.full(gemv.packed_shape(end - start, k), float("nan"),
+                                    dtype=torch.bfloat16)
+                weights.to_bf16(kernel, start, end, panels, panels=True)
+                expected = gemv.pack_weight_reference(ref[start:end])
+                assert torch.equal(panels.view(torch.int16), expected.view(torch.int16))
+        with pytest.raises(ValueError, match="out must be"):
+            weights.to_bf16(kernel, 0, n, torch.empty(n, k, dtype=torch.bfloat16), panels=True)
         with pytest.raises(ValueError, match="outside"):
             weights.to_bf16(kernel, 0, n + 1, torch.empty(n + 1, k, dtype=torch.bfloat16))
         with pytest.raises(ValueError, match="out must be"):
