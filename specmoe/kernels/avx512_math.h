@@ -1,7 +1,7 @@
 /* bf16 <-> fp32 conversions (scalar and 16 lanes, round to nearest even, NaN kept a quiet
  * NaN), exp512, exp(x) in the 16 fp32 lanes of an AVX-512 register, and a 16 x 16 dword
- * transpose: shared by the bf16 and int4 linear, attention and elementwise kernels; specmoe/kernels/build.py hashes this header
- * into their cache keys. */
+ * transpose: shared by the bf16 and int4 linear, attention and elementwise kernels;
+ * specmoe/kernels/build.py hashes this header into their cache keys. */
 #ifndef SPECMOE_AVX512_MATH_H
 #define SPECMOE_AVX512_MATH_H
 #include <immintrin.h>

@@ -11,8 +11,9 @@ bf16 equal to plain decoding).
 
 The kernel reads W [out, in] in panels of 64 output rows, pair-interleaved along the input
 (`pack_weight`; the C source gives the layout and the summation order). Layers keep their
-packed copy in a `PackedWeight`, made on first use (the model loader makes it at load, in
-huge pages); `try_linear_bf16` packs a weight it is given without one on every call.
+packed copy in a `PackedWeight`, made on first use (the model loader makes it at load, moves
+it into huge pages and drops the dense weight); `try_linear_bf16` packs a weight it is given
+without one on every call.
 `try_linear_bf16` returns None for anything it does not handle and the caller runs the
 plain-torch reference `F.linear`.
 """
@@ -58,7 +59,8 @@ def load_kernel(extra_flags: tuple[str, ...] = ()):
     fn = lib.specmoe_linear_bf16
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     fn.restype = ctypes.c_int
-    lib.specmoe_pack_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    lib.specmoe_pack_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [
+        ctypes.c_int]
     lib.specmoe_pack_bf16.restype = ctypes.c_int
     lib.specmoe_gemv_isa.restype = ctypes.c_int
     fn.library = lib
@@ -107,7 +109,8 @@ def pack_weight(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.
             an empty one.
     """
     if weight.dim() < 2 or not weight.numel():
-        raise ValueError(f"weight must be [..., out, in] and non-empty, got {tuple(weight.shape)}")
+        raise ValueError(f"weight must be [..., out, in] and non-empty, "
+                         f"got {tuple(weight.shape)}")
     *lead, n, k = weight.shape
     shape = (*lead, *packed_shape(n, k))
     if out is not None and (tuple(out.shape) != shape or out.dtype != weight.dtype
@@ -167,7 +170,8 @@ class PackedWeight:
     def holds(self, weight: torch.Tensor) -> bool:
         """Whether the packed copy is current for `weight` (on CPU, not released), so that
         the weight's dense values may be dropped (`unpack_weight` gives them back)."""
-        return self.packed is not None and not weight.is_meta and self._key == self._key_of(weight)
+        return (self.packed is not None and not weight.is_meta
+                and self._key == self._key_of(weight))
 
     def adopt(self, packed: torch.Tensor, weight: torch.Tensor) -> None:
         """Use `packed` (the same values as the current copy, e.g. moved into huge pages)
@@ -210,7 +214,8 @@ def try_linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     Args:
         x: [..., in_features] bfloat16, contiguous, CPU, at least one row.
         weight: [out_features, in_features] bfloat16, contiguous, CPU (or on the meta
-            device, released by `PackedWeight.release`, with `packed` given).
+            device, released by `specmoe.layers.linear.PackedWeights.release_dense`, with
+            `packed` given).
         bias: [out_features] bfloat16 or None.
         packed: weight in the panel layout (a tensor from `pack_weight`, or a
             `PackedWeight` asked for it only when the kernel applies); None packs it for

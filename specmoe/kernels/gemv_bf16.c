@@ -17,9 +17,9 @@
  * thread's panels. OpenMP threads take contiguous ranges of panels.
  *
  * Summation order (batch invariance): output (t, n) is one fp32 accumulator, starting at
- * zero, to which pair j = 0, 1, ... ceil(K / 2) - 1 adds W[n][2j] x[t][2j] and then
- * W[n][2j + 1] x[t][2j + 1] (`vdpbf16ps` with AVX512-BF16, else the same two FMAs on the
- * pairs widened to fp32, `dot_pairs`); then + bias, rounded once to bf16. That order is
+ * zero, to which pair j = 0, 1, ... ceil(K / 2) - 1 adds its two products W[n][2j] x[t][2j]
+ * and W[n][2j + 1] x[t][2j + 1] (one `vdpbf16ps` lane with AVX512-BF16, else two FMAs on
+ * the pairs widened to fp32, `dot_pairs`); then + bias, rounded once to bf16. That order is
  * the same for every T, every position of a row in x, every pass and slice, and any thread
  * count, so a token's outputs have the same bits decoded alone (T = 1) as in a (K + 1)-row
  * speculative verification of several requests, a chunked prefill or the tail of a prompt
@@ -28,6 +28,13 @@
  * Unlike the per-row dot products this kernel replaced (16 lanes along K, then a
  * horizontal sum), no output needs a horizontal sum, and each output's chain of dependent
  * adds is shared out over 64 outputs per j, so even one row runs 4 independent chains.
+ *
+ * Measured on 2 Zen 5 cores against that previous form
+ * (docs/results/2026-11-30-packed-panels/):
+ * one row at the bandwidth probe's rate in both memory phases (~50 and ~80 GB/s; the
+ * previous form reached ~70 of ~80), 5 rows as fast as one, 9-16 rows 1.1-1.2x faster
+ * (700-760 GF/s), blocks of 96 rows 1.1-1.5x (900-1000 GF/s, ~90% of the vdpbf16ps peak;
+ * oneDNN's F.linear ~990), 7-8 rows of 576 columns 0.91-0.95x.
  *
  * Built by specmoe/kernels/build.py with gcc -O3 -march=native -fopenmp.
  */
@@ -124,12 +131,15 @@ static inline __attribute__((always_inline)) void panel_group(
         if (n >= N) break;
         const __mmask16 m = N - n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n)) - 1);
         const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                    _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, bias + n)), 16))
+                                    _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, bias + n)),
+                                    16))
                               : _mm512_setzero_ps();
 #pragma GCC unroll 8
-        for (int t = 0; t < G; t++)
-            _mm256_mask_storeu_epi16(y + t * N + n, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(
-                                                           bf16_round_bits(_mm512_add_ps(acc[t][i], b)), 16)));
+        for (int t = 0; t < G; t++) {
+            const __m512i rounded = bf16_round_bits(_mm512_add_ps(acc[t][i], b));
+            _mm256_mask_storeu_epi16(y + t * N + n, m,
+                                     _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+        }
     }
 }
 

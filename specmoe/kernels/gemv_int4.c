@@ -517,7 +517,8 @@ static inline __attribute__((always_inline)) __m512i dequant_group(
     const __m512 q_odd = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), eight);
     const __m256i even = f32x16_to_bf16(_mm512_add_ps(_mm512_mul_ps(q_even, s), z));
     const __m256i odd = f32x16_to_bf16(_mm512_add_ps(_mm512_mul_ps(q_odd, s), z));
-    return _mm512_permutexvar_epi16(order, _mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1));
+    return _mm512_permutexvar_epi16(order,
+                                     _mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1));
 }
 
 /* Rows [n0, n1) of W as bf16 into out [n1 - n0, K] (row-major), each value as
@@ -564,7 +565,8 @@ int specmoe_int4_to_bf16_panels(const struct specmoe_int4_weights *w, uint16_t *
                     v[r] = n < n1 ? dequant_group(w, n, g) : _mm512_setzero_si512();
                 }
                 transpose16_epi32(v);
-                for (int i = 0; i < 16; i++) _mm512_storeu_si512(o + (16 * g + i) * panel + r0, v[i]);
+                for (int i = 0; i < 16; i++)
+                    _mm512_storeu_si512(o + (16 * g + i) * panel + r0, v[i]);
             }
     }
     return 0;

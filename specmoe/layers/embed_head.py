@@ -31,6 +31,7 @@ class TiedProjection(PackedWeights, nn.Module):
 
     def packed_weights(self) -> list[tuple[PackedWeight, torch.Tensor]]:
         return [(self.weight_panels, self.weight)]
+
     @property
     def weight(self) -> torch.Tensor:
         return self._embedding[0].weight

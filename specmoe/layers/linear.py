@@ -42,9 +42,10 @@ def dense_weight(weight: torch.Tensor, packed: torch.Tensor | PackedWeight | Non
 
 class PackedWeights:
     """For modules whose weights the bf16 kernel reads packed: `packed_weights()` lists
-    (cache, weight) pairs. `prepack()` packs them now (the model loader calls it before
-    moving the weights into huge pages); `extra_weights()` / `set_extra_weights()` let
-    `specmoe.utils.hugepages.rehome_module` move the packed copies too."""
+    (cache, weight) pairs. `prepack()` packs them now and `release_dense()` drops the dense
+    copies (the model loader calls both before moving the weights into huge pages);
+    `extra_weights()` / `set_extra_weights()` let `specmoe.utils.hugepages.rehome_module`
+    move the packed copies too."""
 
     def packed_weights(self) -> list[tuple[PackedWeight, torch.Tensor]]:
         raise NotImplementedError
