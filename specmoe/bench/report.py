@@ -79,9 +79,12 @@ def _roofline_range(rf: dict) -> list[str]:
         return []
     (f_lo, f_hi), (b_lo, b_hi) = (rf["fraction_of_roofline_range"],
                                   rf["read_bandwidth_range_gb_s"])
-    return ["", f"The bandwidth is probed before and after each plain run ({b_lo:.1f}-"
-            f"{b_hi:.1f} GB/s, the higher probe of each run; the median above) and each run "
-            "is set against its own (a change of memory speed during a run understates it): "
+    probes = ("before and after each plain run ({lo:.1f}-{hi:.1f} GB/s, the higher probe of "
+              "each run; the median above) and each run is set against its own (a change of "
+              "memory speed during a run understates it)" if rf.get("probes_per_run") == 2
+              else "before each plain run ({lo:.1f}-{hi:.1f} GB/s; the median above) and each "
+              "run is set against its own probe")
+    return ["", f"The bandwidth is probed {probes.format(lo=b_lo, hi=b_hi)}: "
             f"{100 * f_lo:.0f}-{100 * f_hi:.0f}% of the roofline, median "
             f"{100 * rf['fraction_of_roofline']:.0f}%."]
 

@@ -177,6 +177,7 @@ def roofline(engine, runs: list[dict]) -> dict:
             "weight_bytes_per_token": weight_bytes,
             "roofline_tokens_per_s": bandwidth / weight_bytes,
             "plain_decode_tokens_per_s": decode_tps,
+            "probes_per_run": 2 if all("read_bandwidth_after" in r for r in plain) else 1,
             "fraction_of_roofline": statistics.median(fractions),
             "fraction_of_roofline_range": [min(fractions), max(fractions)]}
 

@@ -123,6 +123,7 @@ def test_roofline_sets_each_plain_run_against_its_own_bandwidth_probe(tmp_path):
                           "dtype": "bfloat16", "max_tokens": 64, "num_prompts": 1},
                "total_seconds": 60.0, "rows": aggregate(runs), "runs": runs, "roofline": rf}
     assert "80-90% of the roofline, median 85%" in markdown(results)
+    assert "before each plain run (1.0-2.0 GB/s" in markdown(results)  # one probe per run
 
 
 def test_roofline_takes_the_higher_of_the_probes_around_a_run():
@@ -132,6 +133,7 @@ def test_roofline_takes_the_higher_of_the_probes_around_a_run():
 
     from torch import nn
 
+    from specmoe.bench.report import markdown
     from specmoe.bench.spec import roofline, run_bandwidth
     model = nn.Linear(1000, 1000, bias=False)
     engine = SimpleNamespace(target=SimpleNamespace(model=model))
@@ -141,7 +143,13 @@ def test_roofline_takes_the_higher_of_the_probes_around_a_run():
     runs[0]["read_bandwidth"], runs[0]["read_bandwidth_after"] = 1e9, 2e9
     runs[1]["read_bandwidth"], runs[1]["read_bandwidth_after"] = 1e9, 0.5e9
     assert [run_bandwidth(r) for r in runs] == [2e9, 1e9]
-    assert roofline(engine, runs)["fraction_of_roofline_range"] == pytest.approx([0.4, 0.8])
+    rf = roofline(engine, runs)
+    assert rf["fraction_of_roofline_range"] == pytest.approx([0.4, 0.8])
+    assert rf["probes_per_run"] == 2
+    results = {"config": {"target": "t", "draft": "d", "draft_quantization": "int4",
+                          "dtype": "bfloat16", "max_tokens": 64, "num_prompts": 1},
+               "total_seconds": 60.0, "rows": aggregate(runs), "runs": runs, "roofline": rf}
+    assert "before and after each plain run (1.0-2.0 GB/s, the higher" in markdown(results)
 
 
 def test_title_names_only_the_proposers_that_ran_and_bad_proposers_fail_first():
