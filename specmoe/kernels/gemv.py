@@ -21,6 +21,7 @@ plain-torch reference `F.linear`.
 from __future__ import annotations
 
 import ctypes
+import weakref
 
 import torch
 
@@ -138,17 +139,24 @@ def _c_packs(weight: torch.Tensor) -> bool:
 
 class PackedWeight:
     """A layer's packed copy of one weight for the kernel (`pack_weight`), made on first
-    use and made again when the weight has changed since (other storage, shape, or an
-    in-place edit through the tensor itself; an edit through `.data` is not seen: call
-    `clear()` after one)."""
+    use and made again when the weight has changed since (another tensor, other storage,
+    shape, or an in-place edit through the tensor itself; an edit through `.data` is not
+    seen: call `clear()` after one)."""
 
     def __init__(self) -> None:
         self.packed: torch.Tensor | None = None
         self._key: tuple | None = None
+        # the packed tensor itself, weakly: a new tensor may reuse a freed one's address and
+        # version count (compared with `is`: weakref == compares the tensors' values)
+        self._source: weakref.ref | None = None
 
     @staticmethod
     def _key_of(weight: torch.Tensor) -> tuple:
         return weight.data_ptr(), weight._version, tuple(weight.shape)
+
+    def _current(self, weight: torch.Tensor) -> bool:
+        return (self._source is not None and self._source() is weight
+                and self._key == self._key_of(weight))
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
         """The packed copy of `weight` [..., out, in] bf16, packing it now if needed (a
@@ -162,24 +170,23 @@ class PackedWeight:
                 raise RuntimeError(f"weight {tuple(weight.shape)} was released without a "
                                    f"packed copy")
             return self.packed
-        if self._key != self._key_of(weight):
+        if not self._current(weight):
             self.packed = pack_weight(weight.detach())
-            self._key = self._key_of(weight)
+            self._key, self._source = self._key_of(weight), weakref.ref(weight)
         return self.packed
 
     def holds(self, weight: torch.Tensor) -> bool:
         """Whether the packed copy is current for `weight` (on CPU, not released), so that
         the weight's dense values may be dropped (`unpack_weight` gives them back)."""
-        return (self.packed is not None and not weight.is_meta
-                and self._key == self._key_of(weight))
+        return self.packed is not None and not weight.is_meta and self._current(weight)
 
     def adopt(self, packed: torch.Tensor, weight: torch.Tensor) -> None:
         """Use `packed` (the same values as the current copy, e.g. moved into huge pages)
         as `weight`'s packed copy."""
-        self.packed, self._key = packed, self._key_of(weight)
+        self.packed, self._key, self._source = packed, self._key_of(weight), weakref.ref(weight)
 
     def clear(self) -> None:
-        self.packed, self._key = None, None
+        self.packed, self._key, self._source = None, None, None
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:

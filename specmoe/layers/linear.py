@@ -37,7 +37,7 @@ def dense_weight(weight: torch.Tensor, packed: torch.Tensor | PackedWeight | Non
     elif packed is None:
         raise RuntimeError(f"weight {tuple(weight.shape)} was released and no packed copy "
                            f"was given")
-    return gemv.unpack_weight(packed, *weight.shape)
+    return gemv.unpack_weight(packed, *weight.shape).to(weight.dtype)
 
 
 class PackedWeights:
@@ -62,7 +62,9 @@ class PackedWeights:
         current packed copy (`PackedWeight.holds`): the parameter is replaced by one of the
         same shape and dtype on the meta device, the kernel reads the packed copy and the
         plain-torch paths unpack it per call (`dense_weight`), so a CPU model is not held
-        in memory twice. `state_dict()` then has no values for it. Returns bytes freed."""
+        in memory twice. `state_dict()` then has no values for it, and loading or copying
+        values into it does nothing (torch warns): load the model again instead. Returns
+        bytes freed."""
         freed = 0
         for cache, weight in self.packed_weights():
             name = next((n for n, p in self._parameters.items() if p is weight), None)

@@ -136,3 +136,35 @@ def test_release_without_a_packed_copy_keeps_the_weight(enabled):
     layer.prepack()
     layer.weight.data = layer.weight.data.clone()  # the copy is stale now
     assert layer.release_dense() == 0 and layer.weight.is_cpu
+
+
+def test_a_new_weight_at_a_freed_ones_address_is_repacked(enabled):
+    """A replacement weight may reuse the freed one's address and version count: the cache
+    compares the tensor itself too (with the address and version alone this loop met a
+    stale copy in 1-10 of 50 rounds)."""
+    layer = Linear(64, 64).bfloat16().requires_grad_(False)
+    x = torch.randn(2, 64).bfloat16()
+
+    def fresh():  # bf16 storage, version 1: the freed one's address may come back
+        return torch.nn.Parameter(torch.empty(64, 64, dtype=torch.bfloat16).normal_(),
+                                  requires_grad=False)
+
+    for _ in range(200):
+        layer.weight = fresh()
+        layer(x)
+        layer.weight = None
+        layer.weight = fresh()
+        assert torch.equal(layer(x), kernels.try_linear_bf16(x, layer.weight))
+
+
+def test_released_weights_follow_a_dtype_change(enabled):
+    """`model.float()` after a release turns the meta parameters fp32: the unpacked values
+    follow (the bf16 values, as fp32)."""
+    layer = Linear(64, 70).bfloat16().requires_grad_(False)
+    torch.nn.init.normal_(layer.weight)
+    dense = layer.weight.detach().clone()
+    layer.prepack()
+    layer.release_dense()
+    layer.float()
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(layer(x), x @ dense.float().t())
