@@ -1,6 +1,6 @@
 /* y[T, N] = x[T, K] @ W^T (+ b[N]) for int4 weights, T <= 16, fp32 accumulation; and the
- * pass that dequantises rows of W to bf16 for many rows of x (specmoe_int4_to_bf16 and,
- * into the bf16 kernel's panel layout, specmoe_int4_to_bf16_panels, at the end).
+ * pass that dequantises rows of W to bf16, in the bf16 kernel's panel layout, for many rows
+ * of x (specmoe_int4_to_bf16_panels, at the end).
  *
  * Layout (specmoe/kernels/gemv_int4.py `pack_int4`), groups of 32 inputs, K % 32 == 0:
  *   packed  uint8 [N, K/2]: byte j of row n = q[n, 2j] | q[n, 2j+1] << 4, q in [0, 15]
@@ -521,30 +521,14 @@ static inline __attribute__((always_inline)) __m512i dequant_group(
                                      _mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1));
 }
 
-/* Rows [n0, n1) of W as bf16 into out [n1 - n0, K] (row-major), each value as
- * `dequant_group` computes it: `int4_dequantize(..., torch.bfloat16)` bit for bit, except
- * that the AVX512-BF16 build flushes denormal results to zero and NaNs may carry another
- * payload. Returns 0, or -1 for a row range outside [0, N] or K not a positive multiple of
- * 32. */
-int specmoe_int4_to_bf16(const struct specmoe_int4_weights *w, uint16_t *out, int64_t n0,
-                         int64_t n1, int num_threads) {
-    const int64_t K = w->K, NG = K / GROUP;
-    if (n0 < 0 || n1 > w->N || n0 > n1 || K < GROUP || K % GROUP) return -1;
-    const int64_t max_threads = (n1 - n0) * K / (MIN_BYTES_PER_THREAD * 2);
-    if (num_threads > max_threads) num_threads = (int)max_threads;
-    if (num_threads < 1) num_threads = 1;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t n = n0; n < n1; n++)
-        for (int64_t g = 0; g < NG; g++)
-            _mm512_storeu_si512(out + (n - n0) * K + g * GROUP, dequant_group(w, n, g));
-    return 0;
-}
-
-/* Rows [n0, n1) of W, dequantised as `specmoe_int4_to_bf16` does, straight into the bf16
- * kernel's panel layout (gemv_bf16.c: [ceil((n1 - n0) / 64)][K / 2][64][2], rows past n1
- * zero): for many rows of x (prefill), where a GEMM on bf16 weights runs 1.3-2.3x torch's
- * int4 kernel even counting this pass; 16 rows' groups transposed at a time, so that
- * dequantising and packing cost one pass. Returns 0, or -1 as specmoe_int4_to_bf16. */
+/* Rows [n0, n1) of W as bf16, each value as `dequant_group` computes it
+ * (`int4_dequantize(..., torch.bfloat16)` bit for bit, except that the AVX512-BF16 build
+ * flushes denormal results to zero and NaNs may carry another payload), straight into the
+ * bf16 kernel's panel layout (gemv_bf16.c: [ceil((n1 - n0) / 64)][K / 2][64][2], rows past
+ * n1 zero): for many rows of x (prefill), where a GEMM on bf16 weights runs 1.3-2.3x
+ * torch's int4 kernel even counting this pass; 16 rows' groups transposed at a time, so
+ * that dequantising and packing cost one pass. Returns 0, or -1 for a row range outside
+ * [0, N] or K not a positive multiple of 32. */
 int specmoe_int4_to_bf16_panels(const struct specmoe_int4_weights *w, uint16_t *out,
                                 int64_t n0, int64_t n1, int num_threads) {
     const int64_t K = w->K, NG = K / GROUP, pairs = K / 2, panel = 64;

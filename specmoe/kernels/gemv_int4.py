@@ -90,10 +90,9 @@ def load_kernel(extra_flags: tuple[str, ...] = ()):
                    ctypes.c_int, ctypes.c_int]
     fn.restype = ctypes.c_int
     lib.specmoe_gemv_int4_isa.restype = ctypes.c_int
-    for dequant in (lib.specmoe_int4_to_bf16, lib.specmoe_int4_to_bf16_panels):
-        dequant.argtypes = [ctypes.POINTER(_CWeights), ctypes.c_void_p, ctypes.c_int64,
-                            ctypes.c_int64, ctypes.c_int]
-        dequant.restype = ctypes.c_int
+    lib.specmoe_int4_to_bf16_panels.argtypes = [ctypes.POINTER(_CWeights), ctypes.c_void_p,
+                                                ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    lib.specmoe_int4_to_bf16_panels.restype = ctypes.c_int
     fn.library = lib
     return fn
 
@@ -234,12 +233,10 @@ class Int4Weights:
             return None if y is None else y.view(*x.shape[:-1], self.num_out)
         return run_kernel(kernel, self, x)
 
-    def to_bf16(self, kernel, start: int, end: int, out: torch.Tensor,
-                panels: bool = False) -> None:
-        """Rows [start, end) of W as bf16 into out (contiguous), computed as
-        `int4_dequantize(..., torch.bfloat16)` does, bit for bit: out is [end - start, in],
-        or with `panels` the bf16 kernel's packed layout of those rows
-        (`gemv.packed_shape(end - start, in)`, as `gemv.pack_weight` gives).
+    def to_bf16_panels(self, kernel, start: int, end: int, out: torch.Tensor) -> None:
+        """Rows [start, end) of W as bf16, computed as `int4_dequantize(..., torch.bfloat16)`
+        does, bit for bit, into out in the bf16 kernel's packed layout of those rows
+        (`gemv.packed_shape(end - start, in)`, contiguous; what `gemv.pack_weight` gives).
 
         Raises:
             ValueError: a row range outside [0, out_features] or an `out` that does not fit
@@ -247,15 +244,13 @@ class Int4Weights:
         """
         if not 0 <= start <= end <= self.num_out:
             raise ValueError(f"rows [{start}, {end}) outside [0, {self.num_out}]")
-        shape = gemv.packed_shape(end - start, self.num_in) if panels else (end - start,
-                                                                            self.num_in)
+        shape = gemv.packed_shape(end - start, self.num_in)
         if (out.dtype is not torch.bfloat16 or not out.is_cpu or not out.is_contiguous()
-                or tuple(out.shape) != tuple(shape)):
+                or tuple(out.shape) != shape):
             raise ValueError(f"out must be {list(shape)} contiguous bfloat16 "
                              f"on CPU, got {out.dtype} {tuple(out.shape)} on {out.device}")
-        lib = kernel.library
-        dequant = lib.specmoe_int4_to_bf16_panels if panels else lib.specmoe_int4_to_bf16
-        status = dequant(self._c, out.data_ptr(), start, end, torch.get_num_threads())
+        status = kernel.library.specmoe_int4_to_bf16_panels(self._c, out.data_ptr(), start,
+                                                            end, torch.get_num_threads())
         if status != 0:  # the checks above rule it out
             raise RuntimeError(f"int4 dequantisation rejected rows [{start}, {end}): {status}")
 
@@ -302,7 +297,7 @@ def _slice_buffer(num_elements: int) -> torch.Tensor:
 def dequantized_linear(kernel, weights: Int4Weights, x: torch.Tensor) -> torch.Tensor | None:
     """y = x @ W^T (+ bias) for x already checked as `Int4Weights.linear` requires, by
     slices of output rows: each slice of W dequantised to bf16 straight into the bf16
-    kernel's packed layout (`Int4Weights.to_bf16(..., panels=True)`, at most
+    kernel's packed layout (`Int4Weights.to_bf16_panels`, at most
     DEQUANT_SLICE_BYTES) and multiplied by the bf16 GEMM with x rounded to bf16 and the bias
     rounded to bf16 (added before the output's one rounding).
 
@@ -322,7 +317,7 @@ def dequantized_linear(kernel, weights: Int4Weights, x: torch.Tensor) -> torch.T
         end = min(n, start + rows)
         shape = gemv.packed_shape(end - start, k)
         packed = buf[:math.prod(shape)].view(shape)
-        weights.to_bf16(kernel, start, end, packed, panels=True)
+        weights.to_bf16_panels(kernel, start, end, packed)
         shape_only = torch.empty(end - start, k, dtype=torch.bfloat16, device="meta")
         part = gemv.try_linear_bf16(xb, shape_only, None if bias is None else bias[start:end],
                                     packed)

@@ -176,29 +176,27 @@ def _dequantized_path(x, q, sz, b):
     return y.to(x.dtype)
 
 
-def test_to_bf16_is_int4_dequantize_bit_for_bit(enabled):
+def test_to_bf16_panels_is_int4_dequantize_bit_for_bit(enabled):
     kernel = gemv_int4._lazy.get()
     for k, n in [(32, 7), (160, 37), (896, 131), (4864, 37)]:
         q, sz = _int4(k, n, seed=k * n)
         weights = gemv_int4.Int4Weights(*gemv_int4.pack_int4(q, sz))
         ref = int4_dequantize(q, sz, 32, torch.bfloat16)
         for start, end in [(0, n), (1, n - 2), (3, 3)]:
-            out = torch.empty(end - start, k, dtype=torch.bfloat16)
-            weights.to_bf16(kernel, start, end, out)
-            assert torch.equal(out.view(torch.int16), ref[start:end].view(torch.int16))
-            if end > start:  # straight into the bf16 kernel's panels: pack_weight's layout
-                panels = torch.full(gemv.packed_shape(end - start, k), float("nan"),
-                                    dtype=torch.bfloat16)
-                weights.to_bf16(kernel, start, end, panels, panels=True)
-                expected = gemv.pack_weight_reference(ref[start:end])
-                assert torch.equal(panels.view(torch.int16), expected.view(torch.int16))
+            panels = torch.full(gemv.packed_shape(end - start, k), float("nan"),
+                                dtype=torch.bfloat16)
+            weights.to_bf16_panels(kernel, start, end, panels)
+            dense = gemv.unpack_weight(panels, end - start, k)  # pack_weight's layout
+            assert torch.equal(dense.view(torch.int16), ref[start:end].view(torch.int16))
+            expected = gemv.pack_weight_reference(ref[start:end])
+            assert torch.equal(panels.view(torch.int16), expected.view(torch.int16))
         with pytest.raises(ValueError, match="out must be"):
-            weights.to_bf16(kernel, 0, n, torch.empty(n, k, dtype=torch.bfloat16), panels=True)
+            weights.to_bf16_panels(kernel, 0, n, torch.empty(n, k, dtype=torch.bfloat16))
         with pytest.raises(ValueError, match="outside"):
-            weights.to_bf16(kernel, 0, n + 1, torch.empty(n + 1, k, dtype=torch.bfloat16))
+            weights.to_bf16_panels(kernel, 0, n + 1, torch.empty(
+                gemv.packed_shape(n + 1, k), dtype=torch.bfloat16))
         with pytest.raises(ValueError, match="out must be"):
-            weights.to_bf16(kernel, 0, n, torch.empty(n, k))
-
+            weights.to_bf16_panels(kernel, 0, n, torch.empty(gemv.packed_shape(n, k)))
 
 @pytest.mark.parametrize("k,n", [(96, 5), (896, 131), (4864, 37)])
 @pytest.mark.parametrize("bias", [False, True])
