@@ -15,6 +15,7 @@ from specmoe.layers.mlp import GatedMLP
 from specmoe.layers.moe.block import SparseMoEBlock
 from specmoe.layers.norm import RMSNorm
 from specmoe.layers.rotary import RotaryEmbedding
+from specmoe.models.fused_layers import FusedLayers
 
 
 class DecoderLayer(nn.Module):
@@ -56,13 +57,20 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         tied = self.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied)
+        self.fused_layers = FusedLayers(self)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata
                 ) -> torch.Tensor:
         """input_ids [T] int64; positions [T] int64; one (k, v) cache per layer.
-        Returns final hidden states [T, hidden_size]."""
+        Returns final hidden states [T, hidden_size].
+
+        Dense bf16 models on CPU run the layers in one native call (`fused_layers`, the
+        same kernels and bits as the modules, which run everywhere else)."""
         x = self.embed_tokens(input_ids)  # [T, hidden_size]
+        fused = self.fused_layers.try_run(x, positions, kv_caches, meta)
+        if fused is not None:
+            return self.norm(fused)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, positions, kv_cache, meta)
         return self.norm(x)

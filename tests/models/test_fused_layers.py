@@ -1,0 +1,203 @@
+"""The fused decoder path (`specmoe.models.fused_layers`, one native call for all layers)
+gives the module path's bits: hidden states and every KV cache entry, over prefills,
+decodes and multi-token verifications of several sequences, with and without QKV bias,
+tied heads and sliding windows; it notices replaced caches and changed weights, and stands
+aside (the modules run) for what it does not cover."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from specmoe import kernels
+from specmoe.config import ArchConfig, MoEConfig
+from specmoe.kernels import decoder
+from specmoe.layers.linear import prepack_weights
+from specmoe.layers.paged_attention import AttentionMetadata, SequenceSlice
+from specmoe.layers.quantization import quantize_model
+from specmoe.loader.model_loader import default_dtype
+from specmoe.models import fused_layers
+from specmoe.models.decoder import DecoderModel
+from specmoe.worker.kv_cache import PagedKVCache
+
+KERNEL_UNAVAILABLE_REASON = decoder._lazy.unavailable_reason  # for `enabled`
+BLOCK = 16
+BF16 = torch.bfloat16
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _arch(**over) -> ArchConfig:
+    fields = dict(architecture="Qwen2ForCausalLM", vocab_size=300, hidden_size=128,
+                  intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=10000.0,
+                  max_position_embeddings=512, attention_bias=True)
+    fields.update(over)
+    return ArchConfig(**fields)
+
+
+ARCHS = {
+    "qwen2_bias": _arch(),
+    "llama_tied_mha": _arch(architecture="LlamaForCausalLM", attention_bias=False,
+                            tie_word_embeddings=True, num_key_value_heads=3, head_dim=64,
+                            hidden_size=192, num_attention_heads=3),
+    "mistral_window": _arch(architecture="MistralForCausalLM", attention_bias=False,
+                            sliding_window=12),
+}
+
+
+def _model(arch: ArchConfig, dtype=BF16, release: bool = True, seed: int = 0) -> DecoderModel:
+    g = torch.Generator().manual_seed(seed)
+    with default_dtype(dtype):
+        model = DecoderModel(arch, 256)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g) * 0.1
+            p.copy_(1 + noise if name.endswith("norm.weight") else noise)
+    model.eval().requires_grad_(False)
+    if release:
+        prepack_weights(model, release_dense=True)
+    return model
+
+
+# (start_pos, new tokens) per sequence per forward: two prefills (one chunked), then decodes
+# and verifications of several rows side by side
+SCHEDULE = [[(0, 40), (0, 7)], [(40, 1), (7, 5)], [(41, 4), (12, 1), (0, 19)],
+            [(45, 1), (13, 1), (19, 1)]]
+
+
+def _run(model: DecoderModel, arch: ArchConfig, fused: bool, cache: PagedKVCache | None = None):
+    """Hidden states of every forward of SCHEDULE and the caches, fused path on or off."""
+    cache = cache or PagedKVCache(arch, 12, BLOCK, BF16, torch.device("cpu"))
+    tables = [[0, 1, 2, 3], [5, 4], [9, 7]]
+    g = torch.Generator().manual_seed(1)
+    outs = []
+    was = fused_layers._enabled
+    fused_layers.set_enabled(fused)
+    try:
+        with torch.inference_mode():
+            for step in SCHEDULE:
+                seqs = [SequenceSlice(s, n, tables[i]) for i, (s, n) in enumerate(step)]
+                meta = AttentionMetadata.build(seqs, BLOCK, "cpu", arch.sliding_window)
+                ids = torch.randint(0, arch.vocab_size, (meta.num_tokens,), generator=g)
+                pos = torch.cat([torch.arange(s, s + n) for s, n in step])
+                outs.append(model(ids, pos, cache.layers, meta))
+    finally:
+        fused_layers.set_enabled(was)
+    return outs, cache
+
+
+@contextlib.contextmanager
+def _counting(monkeypatch):
+    calls = []
+    real = decoder.run_layers
+    monkeypatch.setattr(decoder, "run_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
+    yield calls
+
+
+def _assert_same(a, b) -> None:
+    (outs_a, cache_a), (outs_b, cache_b) = a, b
+    for x, y in zip(outs_a, outs_b, strict=True):
+        assert x.dtype is y.dtype is BF16 and torch.equal(x, y)
+    for (ka, va), (kb, vb) in zip(cache_a.layers, cache_b.layers, strict=True):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+@pytest.mark.parametrize("release", [True, False])
+def test_fused_layers_give_the_module_bits(enabled, monkeypatch, name, release):
+    arch = ARCHS[name]
+    model = _model(arch, release=release)
+    with _counting(monkeypatch) as calls:
+        fused = _run(model, arch, True)
+    assert len(calls) == len(SCHEDULE)  # every forward took the fused path
+    _assert_same(fused, _run(model, arch, False))
+
+
+def test_replaced_cache_and_changed_weights_are_followed(enabled, monkeypatch):
+    arch = ARCHS["qwen2_bias"]
+    model = _model(arch, release=False)
+    _run(model, arch, True)
+    with torch.no_grad():  # dense weights changed in place: the packed copies follow
+        model.layers[1].mlp.down_proj.weight.mul_(-1.5)
+        model.layers[0].attn.qkv_proj.bias.add_(0.25)
+    with _counting(monkeypatch) as calls:
+        fused = _run(model, arch, True)  # a new cache too
+    assert len(calls) == len(SCHEDULE)
+    _assert_same(fused, _run(model, arch, False))
+
+
+def test_a_replaced_released_weight_is_followed(enabled):
+    arch = ARCHS["qwen2_bias"]
+    model = _model(arch)
+    before = _run(model, arch, True)
+    donor = _model(arch, seed=5)  # new packed copies swapped in for layer 2's MLP
+    model.layers[2].mlp = donor.layers[2].mlp
+    after = _run(model, arch, True)
+    assert not torch.equal(before[0][-1], after[0][-1])
+    _assert_same(after, _run(model, arch, False))
+
+
+def _moe_arch() -> ArchConfig:
+    moe = MoEConfig(num_experts=4, top_k=2, moe_intermediate_size=64,
+                    norm_topk_prob=True, moe_layers=[1])
+    return _arch(moe=moe)
+
+
+@pytest.mark.parametrize("case", ["moe", "float32", "int4", "grad", "off"])
+def test_the_modules_run_where_the_fused_path_does_not_apply(enabled, monkeypatch, case):
+    arch = _moe_arch() if case == "moe" else ARCHS["qwen2_bias"]
+    model = _model(arch, dtype=torch.float32 if case == "float32" else BF16)
+    if case == "int4":
+        quantize_model(model, "int4")
+    cache = PagedKVCache(arch, 4, BLOCK, model.embed_tokens.weight.dtype, torch.device("cpu"))
+    meta = AttentionMetadata.build([SequenceSlice(0, 3, [0])], BLOCK, "cpu")
+    ids, pos = torch.tensor([1, 2, 3]), torch.arange(3)
+    was = fused_layers._enabled
+    fused_layers.set_enabled(case != "off")
+    try:
+        with _counting(monkeypatch) as calls, torch.set_grad_enabled(case == "grad"):
+            out = model(ids, pos, cache.layers, meta)
+    finally:
+        fused_layers.set_enabled(was)
+    assert calls == [] and out.shape == (3, arch.hidden_size)
+
+
+def test_the_modules_run_with_the_cpu_kernels_off(monkeypatch):
+    arch = ARCHS["qwen2_bias"]
+    model = _model(arch)
+    was = kernels.is_enabled()
+    kernels.set_enabled(False)
+    try:
+        with _counting(monkeypatch) as calls:
+            outs, _ = _run(model, arch, True)
+    finally:
+        kernels.set_enabled(was)
+    assert calls == [] and len(outs) == len(SCHEDULE)
+
+
+def test_a_position_past_the_rope_table_raises_as_the_modules_do(enabled):
+    arch = ARCHS["qwen2_bias"]
+    model = _model(arch)
+    cache = PagedKVCache(arch, 20, BLOCK, BF16, torch.device("cpu"))
+    meta = AttentionMetadata.build([SequenceSlice(256, 1, list(range(17)))], BLOCK, "cpu")
+    with torch.inference_mode(), pytest.raises(IndexError):
+        model(torch.tensor([1]), torch.tensor([256]), cache.layers, meta)
+
+
+def test_a_refused_kernel_names_its_layer_and_step(enabled):
+    arch = ARCHS["qwen2_bias"]
+    model = _model(arch)
+    fused = model.fused_layers
+    cache = PagedKVCache(arch, 4, BLOCK, BF16, torch.device("cpu"))
+    meta = AttentionMetadata.build([SequenceSlice(0, 2, [0])], BLOCK, "cpu")
+    x = torch.zeros(2, arch.hidden_size, dtype=BF16)
+    with torch.inference_mode():
+        assert fused.try_run(x, torch.arange(2), cache.layers, meta) is not None
+        dims = decoder.Dims.from_buffer_copy(fused._dims)
+        dims.head_dim = 16  # the RoPE kernel takes multiples of 32 only
+        with pytest.raises(RuntimeError, match="RoPE kernel of layer 0"):
+            decoder.run_layers(dims, fused._table, x, torch.arange(2), meta.slot_mapping,
+                               meta.sequences, 0)
