@@ -10,7 +10,6 @@ the two give the same bits (tests/models/test_fused_layers.py).
 
 from __future__ import annotations
 
-import ctypes
 
 import torch
 
@@ -189,7 +188,6 @@ class FusedLayers:
 
     def _build(self, sources: list) -> None:
         cfg = self.model.config
-        rotary = self.model.layers[0].attn.rotary
         n = len(decoder.LAYER_FIELDS)
         rows = [decoder.Layer(*map(_ptr, sources[i:i + n])) for i in range(2, len(sources), n)]
         self._table = (decoder.Layer * len(rows))(*rows)
