@@ -1,11 +1,12 @@
 """A run of dense decoder layers in one native call, bf16 on CPU, through `decoder_bf16.c`.
 
-The C driver calls the linear, RMSNorm, RoPE, SiLU-and-mul and attention kernels
-(`gemv`, `elementwise`, `attention`) layer after layer, with the arguments the Python modules
-pass them, so its output has the same bits as the modules'; it saves the Python dispatch
-between them, ~2 ms of a 40 ms decode step of a 28-layer model (see
-`specmoe.models.fused_layers`, which builds the tables from a model, and its test against
-the module path).
+The C driver calls the linear (bf16 `gemv`, or `gemv_int4` for int4 projections), RMSNorm,
+RoPE, SiLU-and-mul and attention kernels (`elementwise`, `attention`) layer after layer,
+with the arguments the Python modules pass them, so its output has the same bits as the
+modules'. It saves the Python dispatch between them: ~2.5 ms of a 43 ms decode step of
+Qwen2.5-1.5B (28 layers), ~2 ms of a 10 ms step of its int4 0.5B draft (24 layers).
+`specmoe.models.fused_layers` builds the tables from a model; its test checks the bits
+against the module path.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import ctypes
 
 import torch
 
-from specmoe.kernels import attention, elementwise, gemv
+from specmoe.kernels import attention, elementwise, gemv, gemv_int4
 from specmoe.kernels.build import LazyKernel, load
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -22,8 +23,8 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 class Kernels(ctypes.Structure):
     """The kernels' addresses (C `Kernels`)."""
-    _fields_ = [(name, _P) for name in ("linear", "rms_norm", "rotary", "silu_and_mul",
-                                        "attention")]
+    _fields_ = [(name, _P) for name in ("linear", "linear_int4", "rms_norm", "rotary",
+                                        "silu_and_mul", "attention")]
 
 
 class Dims(ctypes.Structure):
@@ -33,13 +34,19 @@ class Dims(ctypes.Structure):
         ("eps", _F), ("scale", _F), ("cos_table", _P), ("sin_table", _P)]
 
 
-LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_attn_norm", "gate_up",
-                "gate_up_bias", "down", "down_bias", "k_cache", "v_cache")
+class Lin(ctypes.Structure):
+    """A projection (C `Lin`): packed bf16 weights and bias (NULL: none), or with `int4`
+    set the address of an int4 kernel's `struct specmoe_int4_weights` (bias inside)."""
+    _fields_ = [("w", _P), ("bias", _P), ("int4", _I)]
+
+
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
 class Layer(ctypes.Structure):
-    """One layer's weight and KV cache addresses (C `Layer`; NULL for an absent bias)."""
-    _fields_ = [(name, _P) for name in LAYER_FIELDS]
+    """One layer's norm weights, projections and KV cache (C `Layer`)."""
+    _fields_ = [("input_norm", _P), ("post_attn_norm", _P)] + [
+        (name, Lin) for name in PROJECTIONS] + [("k_cache", _P), ("v_cache", _P)]
 
 
 class Step(ctypes.Structure):
@@ -62,11 +69,12 @@ def load_driver():
     if any(p is None for p in parts):
         raise OSError("a kernel the decoder driver calls is unavailable")
     linear, lib, attend = parts
+    linear_int4 = gemv_int4._lazy.get()  # None: int4 projections are not fused
     fn = load("decoder_bf16.c", cpu_flags=gemv.REQUIRED_CPU_FLAGS).specmoe_decoder_layers_bf16
     fn.argtypes = [_P, _P, _P, _I, _P, ctypes.c_int]
     fn.restype = ctypes.c_int
-    addr = [ctypes.cast(f, _P).value for f in (
-        linear, lib.specmoe_rms_norm_bf16, lib.specmoe_rotary_bf16,
+    addr = [None if f is None else ctypes.cast(f, _P).value for f in (
+        linear, linear_int4, lib.specmoe_rms_norm_bf16, lib.specmoe_rotary_bf16,
         lib.specmoe_silu_and_mul_bf16, attend)]
     return fn, Kernels(*addr)
 
@@ -83,6 +91,12 @@ def available() -> bool:
     return gemv.is_enabled() and _lazy.get() is not None
 
 
+def int4_available() -> bool:
+    """Whether the driver can call the int4 kernel (`available()` first)."""
+    loaded = _lazy.get()
+    return loaded is not None and loaded[1].linear_int4 is not None
+
+
 def run_layers(dims: Dims, layers: ctypes.Array, x: torch.Tensor, positions: torch.Tensor,
                slots: torch.Tensor, seqs, window: int) -> None:
     """Run `layers` over the residual stream x in place.
@@ -95,7 +109,8 @@ def run_layers(dims: Dims, layers: ctypes.Array, x: torch.Tensor, positions: tor
         seqs: a `specmoe.layers.paged_attention.KernelSequences` covering the T rows.
         window: sliding window in tokens, 0 for none.
     The caller has checked what the kernels check (dtypes, contiguity, head_dim, positions
-    within the RoPE tables; `specmoe.models.fused_layers` does).
+    within the RoPE tables, at most `gemv_int4.MAX_ROWS` rows for int4 projections;
+    `specmoe.models.fused_layers` does).
     Raises:
         RuntimeError: the driver is unavailable, or a kernel refused its arguments (naming
             the layer and step; the layers before it have run).

@@ -4,7 +4,8 @@
  * It calls the same kernels, with the same arguments and in the same order, as the Python
  * modules of specmoe/layers do one call each (specmoe/models/decoder.py DecoderLayer is the
  * reference); the kernels come in as function pointers from their own libraries
- * (gemv_bf16.c, elementwise_bf16.c, attention_bf16.c), so the results have the same bits.
+ * (gemv_bf16.c or, for int4-quantised projections of up to 16 rows, gemv_int4.c;
+ * elementwise_bf16.c, attention_bf16.c), so the results have the same bits.
  * What it adds is only the glue the modules did with torch ops: copying the new keys and
  * values into their cache slots, the query rows out of the fused QKV rows, and the residual
  * additions, each rounded to bf16 (round to nearest even) as torch's bf16 add does.
@@ -25,6 +26,8 @@
 
 typedef int (*linear_fn)(const uint16_t *x, const uint16_t *wp, const uint16_t *bias,
                          uint16_t *y, int64_t T, int64_t K, int64_t N, int num_threads);
+typedef int (*linear_int4_fn)(const void *w, const void *x, void *y, int64_t T, int is_bf16,
+                              int num_threads);
 typedef int (*rms_norm_fn)(const uint16_t *x, int64_t x_stride, const uint16_t *w,
                            uint16_t *out, int64_t out_stride, int64_t T, int64_t H, float eps,
                            int num_threads);
@@ -44,6 +47,7 @@ typedef int (*attention_fn)(const uint16_t *q, const uint16_t *k_cache, const ui
 /* The kernels, from their libraries. */
 typedef struct {
     linear_fn linear;
+    linear_int4_fn linear_int4;
     rms_norm_fn rms_norm;
     rotary_fn rotary;
     silu_and_mul_fn silu_and_mul;
@@ -57,11 +61,19 @@ typedef struct {
     const float *cos_table, *sin_table;
 } Dims;
 
-/* One layer's weights (the linears' in the panel layout of gemv_bf16.c; biases may be
- * NULL) and its KV cache [num_slots, num_kv_heads, head_dim]. */
+/* A projection: bf16 weights in the panel layout of gemv_bf16.c with a bf16 bias or NULL,
+ * or (int4 != 0) a `struct specmoe_int4_weights` of gemv_int4.c, which holds its bias. */
 typedef struct {
-    const uint16_t *input_norm, *qkv, *qkv_bias, *o, *o_bias, *post_attn_norm;
-    const uint16_t *gate_up, *gate_up_bias, *down, *down_bias;
+    const void *w;
+    const uint16_t *bias;
+    int64_t int4;
+} Lin;
+
+/* One layer's norm weights and projections, and its KV cache [num_slots, num_kv_heads,
+ * head_dim]. */
+typedef struct {
+    const uint16_t *input_norm, *post_attn_norm;
+    Lin qkv, o, gate_up, down;
     uint16_t *k_cache, *v_cache;
 } Layer;
 
@@ -88,6 +100,14 @@ static void add_bf16(uint16_t *x, const uint16_t *y, int64_t n, int num_threads)
         store_bf16x16(x + i, _mm512_add_ps(load_bf16x16(x + i), load_bf16x16(y + i)));
 }
 
+/* y [T, N] = x [T, K] W^T (+ bias) through the projection's kernel (the int4 one takes at
+ * most 16 rows: the caller sends no more). */
+static int project(const Kernels *k, const Lin *p, const uint16_t *x, uint16_t *y, int64_t T,
+                   int64_t K, int64_t N, int nt) {
+    if (p->int4) return k->linear_int4(p->w, x, y, T, 1, nt);
+    return k->linear(x, p->w, p->bias, y, T, K, N, nt);
+}
+
 /* The new keys and values (after RoPE) into their slots, and the queries into q. */
 static void scatter_qkv(const Step *s, const Dims *d, const Layer *L) {
     const int64_t qn = d->num_heads * d->head_dim, kvn = d->num_kv_heads * d->head_dim;
@@ -106,7 +126,7 @@ static int attention_block(const Kernels *k, const Dims *d, const Layer *L, cons
     const int64_t T = s->T, H = d->hidden, hd = d->head_dim;
     const int64_t qn = d->num_heads * hd, row = qn + 2 * d->num_kv_heads * hd;
     if (k->rms_norm(s->x, H, L->input_norm, s->h, H, T, H, d->eps, nt)) return -1;
-    if (k->linear(s->h, L->qkv, L->qkv_bias, s->qkv, T, H, row, nt)) return -2;
+    if (project(k, &L->qkv, s->h, s->qkv, T, H, row, nt)) return -2;
     if (k->rotary(s->qkv, row, s->qkv + qn, row, s->positions, d->cos_table, d->sin_table, T,
                   d->num_heads, d->num_kv_heads, hd, d->max_position, nt))
         return -3;
@@ -115,7 +135,7 @@ static int attention_block(const Kernels *k, const Dims *d, const Layer *L, cons
                      s->start_pos, s->block_tables, s->num_seqs, s->max_blocks, s->block_size,
                      d->num_heads, d->num_kv_heads, hd, s->window, d->scale, nt))
         return -4;
-    if (k->linear(s->attn, L->o, L->o_bias, s->h, T, qn, H, nt)) return -5;
+    if (project(k, &L->o, s->attn, s->h, T, qn, H, nt)) return -5;
     add_bf16(s->x, s->h, T * H, nt);
     return 0;
 }
@@ -124,9 +144,9 @@ static int attention_block(const Kernels *k, const Dims *d, const Layer *L, cons
 static int mlp_block(const Kernels *k, const Dims *d, const Layer *L, const Step *s, int nt) {
     const int64_t T = s->T, H = d->hidden, I = d->intermediate;
     if (k->rms_norm(s->x, H, L->post_attn_norm, s->h, H, T, H, d->eps, nt)) return -6;
-    if (k->linear(s->h, L->gate_up, L->gate_up_bias, s->gate_up, T, H, 2 * I, nt)) return -7;
+    if (project(k, &L->gate_up, s->h, s->gate_up, T, H, 2 * I, nt)) return -7;
     if (k->silu_and_mul(s->gate_up, s->act, T, I, nt)) return -8;
-    if (k->linear(s->act, L->down, L->down_bias, s->h, T, I, H, nt)) return -9;
+    if (project(k, &L->down, s->act, s->h, T, I, H, nt)) return -9;
     add_bf16(s->x, s->h, T * H, nt);
     return 0;
 }

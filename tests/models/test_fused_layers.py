@@ -48,7 +48,9 @@ ARCHS = {
 }
 
 
-def _model(arch: ArchConfig, dtype=BF16, release: bool = True, seed: int = 0) -> DecoderModel:
+def _model(arch: ArchConfig, dtype=BF16, release: bool = True, seed: int = 0,
+           quantization: str | None = None) -> DecoderModel:
+    """A random model, quantised and then its dense weights released as the loader does."""
     g = torch.Generator().manual_seed(seed)
     with default_dtype(dtype):
         model = DecoderModel(arch, 256)
@@ -57,6 +59,8 @@ def _model(arch: ArchConfig, dtype=BF16, release: bool = True, seed: int = 0) ->
             noise = torch.randn(p.shape, generator=g) * 0.1
             p.copy_(1 + noise if name.endswith("norm.weight") else noise)
     model.eval().requires_grad_(False)
+    if quantization is not None:
+        quantize_model(model, quantization)
     if release:
         prepack_weights(model, release_dense=True)
     return model
@@ -68,8 +72,14 @@ SCHEDULE = [[(0, 40), (0, 7)], [(40, 1), (7, 5)], [(41, 4), (12, 1), (0, 19)],
             [(45, 1), (13, 1), (19, 1)]]
 
 
-def _run(model: DecoderModel, arch: ArchConfig, fused: bool, cache: PagedKVCache | None = None):
-    """Hidden states of every forward of SCHEDULE and the caches, fused path on or off."""
+# a draft model's forwards: at most 16 rows (int4 projections are fused up to there)
+DRAFT_SCHEDULE = [[(0, 9), (0, 7)], [(9, 1), (7, 1)], [(10, 1), (8, 1), (0, 14)],
+                  [(11, 1), (9, 1), (14, 1)]]
+
+
+def _run(model: DecoderModel, arch: ArchConfig, fused: bool, cache: PagedKVCache | None = None,
+         schedule=SCHEDULE):
+    """Hidden states of every forward of `schedule` and the caches, fused path on or off."""
     cache = cache or PagedKVCache(arch, 12, BLOCK, BF16, torch.device("cpu"))
     tables = [[0, 1, 2, 3], [5, 4], [9, 7]]
     g = torch.Generator().manual_seed(1)
@@ -78,7 +88,7 @@ def _run(model: DecoderModel, arch: ArchConfig, fused: bool, cache: PagedKVCache
     fused_layers.set_enabled(fused)
     try:
         with torch.inference_mode():
-            for step in SCHEDULE:
+            for step in schedule:
                 seqs = [SequenceSlice(s, n, tables[i]) for i, (s, n) in enumerate(step)]
                 meta = AttentionMetadata.build(seqs, BLOCK, "cpu", arch.sliding_window)
                 ids = torch.randint(0, arch.vocab_size, (meta.num_tokens,), generator=g)
@@ -116,6 +126,20 @@ def test_fused_layers_give_the_module_bits(enabled, monkeypatch, name, release):
     _assert_same(fused, _run(model, arch, False))
 
 
+def test_int4_projections_give_the_module_bits_up_to_16_rows(enabled, monkeypatch):
+    if not decoder.int4_available():
+        pytest.skip("int4 kernel unavailable")
+    arch = ARCHS["qwen2_bias"]
+    model = _model(arch, quantization="int4")
+    with _counting(monkeypatch) as calls:
+        fused = _run(model, arch, True, schedule=DRAFT_SCHEDULE)
+    assert len(calls) == len(DRAFT_SCHEDULE)
+    _assert_same(fused, _run(model, arch, False, schedule=DRAFT_SCHEDULE))
+    with _counting(monkeypatch) as calls:  # forwards of more rows run the modules
+        _run(model, arch, True)
+    assert len(calls) == sum(sum(n for _, n in step) <= 16 for step in SCHEDULE) == 2
+
+
 def test_replaced_cache_and_changed_weights_are_followed(enabled, monkeypatch):
     arch = ARCHS["qwen2_bias"]
     model = _model(arch, release=False)
@@ -146,12 +170,11 @@ def _moe_arch() -> ArchConfig:
     return _arch(moe=moe)
 
 
-@pytest.mark.parametrize("case", ["moe", "float32", "int4", "grad", "off"])
+@pytest.mark.parametrize("case", ["moe", "float32", "int8", "grad", "off"])
 def test_the_modules_run_where_the_fused_path_does_not_apply(enabled, monkeypatch, case):
     arch = _moe_arch() if case == "moe" else ARCHS["qwen2_bias"]
-    model = _model(arch, dtype=torch.float32 if case == "float32" else BF16)
-    if case == "int4":
-        quantize_model(model, "int4")
+    model = _model(arch, dtype=torch.float32 if case == "float32" else BF16,
+                   quantization="int8" if case == "int8" else None)
     cache = PagedKVCache(arch, 4, BLOCK, model.embed_tokens.weight.dtype, torch.device("cpu"))
     meta = AttentionMetadata.build([SequenceSlice(0, 3, [0])], BLOCK, "cpu")
     ids, pos = torch.tensor([1, 2, 3]), torch.arange(3)
