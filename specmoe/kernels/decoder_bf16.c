@@ -152,10 +152,10 @@ static int mlp_block(const Kernels *k, const Dims *d, const Layer *L, const Step
 }
 
 /* Entry point: layers[0 .. num_layers) over s->x in order; d->hidden and d->intermediate
- * are multiples of 16, d->head_dim of 32 and at most 256 (the kernels' own limits). Returns 0, or -(16 l + step)
- * for the first kernel that refused its arguments, in layer l at step 1 input norm, 2 QKV,
- * 3 RoPE, 4 attention, 5 output projection, 6 post-attention norm, 7 gate/up, 8 SiLU or
- * 9 down; the layers before it have run by then. */
+ * are multiples of 16, d->head_dim of 32 and at most 256 (the kernels' own limits).
+ * Returns 0, or -(16 l + step) for the first kernel that refused its arguments, in layer l
+ * at step 1 input norm, 2 QKV, 3 RoPE, 4 attention, 5 output projection, 6 post-attention
+ * norm, 7 gate/up, 8 SiLU or 9 down; the layers before it have run by then. */
 int specmoe_decoder_layers_bf16(const Kernels *k, const Dims *d, const Layer *layers,
                                 int64_t num_layers, const Step *s, int num_threads) {
     for (int64_t l = 0; l < num_layers; l++) {

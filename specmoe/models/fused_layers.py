@@ -84,11 +84,21 @@ class FusedLayers:
         # (the projections' types are checked per forward: quantisation may replace them)
         self.eligible = (_dims_supported(model.config)
                          and all(map(_plain_layer, model.layers)))
+        self._forget()
+
+    def _forget(self) -> None:
         self._key: list | None = None
         self._kv: list = []
         self._watch: list | None = None
         self._table = self._dims = None
         self._has_int4 = False
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles (of the model) leave the table behind: it holds raw
+        addresses; the copy builds its own at its first forward."""
+        state = dict(self.__dict__)
+        state.update(_key=None, _kv=[], _watch=None, _table=None, _dims=None, _has_int4=False)
+        return state
 
     def try_run(self, x: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -211,6 +221,9 @@ class FusedLayers:
         rotary = attn0.rotary
         watch = [(attn0._modules, "rotary", rotary)]
         watch += [(rotary._buffers, k, v) for k, v in rotary._buffers.items()]
+        watch += [(self.model._modules, "layers", self.model.layers)]
+        watch += [(self.model.layers._modules, k, v)
+                  for k, v in self.model.layers._modules.items()]
         for layer in self.model.layers:
             projections = [layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj,
                            layer.mlp.down_proj]

@@ -7,6 +7,7 @@ aside (the modules run) for what it does not cover."""
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -159,7 +160,7 @@ def test_a_replaced_released_weight_is_followed(enabled):
     before = _run(model, arch, True)
     donor = _model(arch, seed=5)  # new packed copies swapped in for layer 2's MLP
     model.layers[2].mlp = donor.layers[2].mlp
-    after = _run(model, arch, True)
+    after = _run(model, arch, True, cache=before[1])
     assert not torch.equal(before[0][-1], after[0][-1])
     _assert_same(after, _run(model, arch, False))
 
@@ -224,3 +225,16 @@ def test_a_refused_kernel_names_its_layer_and_step(enabled):
         with pytest.raises(RuntimeError, match="RoPE kernel of layer 0"):
             decoder.run_layers(dims, fused._table, x, torch.arange(2), meta.slot_mapping,
                                meta.sequences, 0)
+
+
+def test_a_replaced_layer_and_a_copied_model_are_followed(enabled):
+    arch = ARCHS["qwen2_bias"]
+    model = _model(arch)
+    before = _run(model, arch, True)
+    model.layers[1] = _model(arch, seed=7).layers[1]
+    after = _run(model, arch, True, cache=before[1])  # the same caches: only the layer moved
+    assert not torch.equal(before[0][-1], after[0][-1])
+    _assert_same(after, _run(model, arch, False))
+    copied = copy.deepcopy(model)  # the table holds addresses: the copy builds its own
+    assert copied.fused_layers.model is copied and copied.fused_layers._table is None
+    _assert_same(_run(copied, arch, True), after)
