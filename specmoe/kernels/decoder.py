@@ -69,14 +69,13 @@ def load_driver():
     if any(p is None for p in parts):
         raise OSError("a kernel the decoder driver calls is unavailable")
     linear, lib, attend = parts
-    linear_int4 = gemv_int4._lazy.get()  # None: int4 projections are not fused
     fn = load("decoder_bf16.c", cpu_flags=gemv.REQUIRED_CPU_FLAGS).specmoe_decoder_layers_bf16
     fn.argtypes = [_P, _P, _P, _I, _P, ctypes.c_int]
     fn.restype = ctypes.c_int
-    addr = [None if f is None else ctypes.cast(f, _P).value for f in (
-        linear, linear_int4, lib.specmoe_rms_norm_bf16, lib.specmoe_rotary_bf16,
+    addr = [ctypes.cast(f, _P).value for f in (
+        linear, lib.specmoe_rms_norm_bf16, lib.specmoe_rotary_bf16,
         lib.specmoe_silu_and_mul_bf16, attend)]
-    return fn, Kernels(*addr)
+    return fn, Kernels(addr[0], None, *addr[1:])  # the int4 kernel: see int4_available
 
 
 _lazy = LazyKernel(load_driver, "fused decoder driver unavailable, running layer by layer")
@@ -92,9 +91,16 @@ def available() -> bool:
 
 
 def int4_available() -> bool:
-    """Whether the driver can call the int4 kernel (`available()` first)."""
+    """Whether the driver can call the int4 kernel, loading it now for the driver if
+    needed (only models with int4 projections ask)."""
     loaded = _lazy.get()
-    return loaded is not None and loaded[1].linear_int4 is not None
+    if loaded is None:
+        return False
+    kernels = loaded[1]
+    if kernels.linear_int4 is None:
+        fn = gemv_int4._lazy.get()
+        kernels.linear_int4 = None if fn is None else ctypes.cast(fn, _P).value
+    return kernels.linear_int4 is not None
 
 
 def run_layers(dims: Dims, layers: ctypes.Array, x: torch.Tensor, positions: torch.Tensor,
@@ -112,8 +118,9 @@ def run_layers(dims: Dims, layers: ctypes.Array, x: torch.Tensor, positions: tor
     within the RoPE tables, at most `gemv_int4.MAX_ROWS` rows for int4 projections;
     `specmoe.models.fused_layers` does).
     Raises:
-        RuntimeError: the driver is unavailable, or a kernel refused its arguments (naming
-            the layer and step; the layers before it have run).
+        RuntimeError: the driver is unavailable, or a kernel refused its arguments or ran
+            out of memory for its work space (naming the layer and step; the layers before
+            it have run).
     """
     loaded = _lazy.get()
     if loaded is None:

@@ -57,7 +57,7 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         tied = self.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied)
-        self.fused_layers = FusedLayers(self)
+        self.fused_layers = FusedLayers()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata
@@ -68,7 +68,7 @@ class DecoderModel(nn.Module):
         Dense bf16 models on CPU run the layers in one native call (`fused_layers`, the
         same kernels and bits as the modules, which run everywhere else)."""
         x = self.embed_tokens(input_ids)  # [T, hidden_size]
-        fused = self.fused_layers.try_run(x, positions, kv_caches, meta)
+        fused = self.fused_layers.try_run(self, x, positions, kv_caches, meta)
         if fused is not None:
             return self.norm(fused)
         for layer, kv_cache in zip(self.layers, kv_caches):

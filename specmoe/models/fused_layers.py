@@ -1,29 +1,36 @@
 """The decoder layers of a dense bf16 model on CPU in one native call per forward.
 
 `DecoderModel.forward` runs its layers through `FusedLayers.try_run` when every layer is a
-plain dense pre-norm block (`DecoderLayer` with `GatedMLP`, no q/k norm or clipping) whose
-projections are bf16 `Linear`s with packed weights or `Int4Linear`s on our int4 kernel (at
-most `gemv_int4.MAX_ROWS` rows then, as a draft model's steps have), and the kernels take
-the shapes. Otherwise, and with the CPU kernels switched off, it runs the modules one by
-one, which are the reference: the driver calls the same kernels with the same arguments
-(`specmoe.kernels.decoder`), so the two give the same bits
-(tests/models/test_fused_layers.py).
+plain dense pre-norm block (`DecoderLayer` with `GatedMLP`, no q/k norm or clipping, no
+hooks, one RoPE table) whose projections are bf16 `Linear`s with packed weights or
+`Int4Linear`s on our int4 kernel (at most `gemv_int4.MAX_ROWS` rows then, as a draft
+model's steps have), and the kernels take the shapes. Otherwise, and with the CPU kernels
+switched off, it runs the modules one by one, which are the reference: the driver calls the
+same kernels with the same arguments (`specmoe.kernels.decoder`), so the two give the same
+bits (tests/models/test_fused_layers.py). Inputs the modules would reject (a position past
+the RoPE table, a cache slot out of range) also go to the modules, which raise.
 """
 
 from __future__ import annotations
 
 import ctypes
+import operator
 
 import torch
+from torch.nn.modules import module as torch_module
 
 from specmoe.kernels import decoder, gemv_int4
+from specmoe.layers.attention import Attention
 from specmoe.layers.linear import Linear
 from specmoe.layers.mlp import GatedMLP
+from specmoe.layers.norm import RMSNorm
 from specmoe.layers.paged_attention import AttentionMetadata
 from specmoe.layers.quantization import Int4Linear
+from specmoe.layers.rotary import RotaryEmbedding
 
 BF16 = torch.bfloat16
 PER_LAYER = 12  # sources per layer: 2 norms, 4 x (weights, bias), 2 caches
+MAX_ROWS = 65536  # rows of one sequence the attention kernel takes
 
 _enabled = True
 
@@ -35,9 +42,33 @@ def set_enabled(enabled: bool) -> None:
     _enabled = bool(enabled)
 
 
-def _plain_layer(layer) -> bool:
-    return (type(layer.mlp) is GatedMLP and layer.attn.qk_norm == "none"
-            and layer.attn.clip_qkv is None)
+def _modules_of(layer) -> list:
+    attn, mlp = layer.attn, layer.mlp
+    return [layer, layer.input_norm, layer.post_attn_norm, attn, attn.rotary, mlp,
+            attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+
+
+def _hook_dicts(modules) -> list:
+    return [d for m in modules for d in (m._forward_hooks, m._forward_pre_hooks)]
+
+
+def _hooked(hook_dicts: list) -> bool:
+    """Whether a forward hook, global or in `hook_dicts` (`_hook_dicts` of the modules),
+    would make the modules do more than the driver does."""
+    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
+                or any(hook_dicts))
+
+
+def _plain_layer(layer, rotary, eps: float, scale: float) -> bool:
+    """A dense pre-norm block the driver computes as the modules do."""
+    from specmoe.models.decoder import DecoderLayer  # (decoder imports this module)
+    attn = getattr(layer, "attn", None)
+    return (type(layer) is DecoderLayer and type(attn) is Attention
+            and type(layer.mlp) is GatedMLP and type(layer.input_norm) is RMSNorm
+            and type(layer.post_attn_norm) is RMSNorm and attn.rotary is rotary
+            and type(rotary) is RotaryEmbedding and attn.qk_norm == "none"
+            and attn.clip_qkv is None and attn.scale == scale
+            and layer.input_norm.eps == layer.post_attn_norm.eps == eps)
 
 
 def _dims_supported(config) -> bool:
@@ -52,16 +83,18 @@ def _bf16_vector(t: torch.Tensor | None, size: int) -> bool:
                          and t.shape == (size,))
 
 
-def _projection(m) -> tuple:
+def _projection(m, shape: tuple[int, int]) -> tuple:
     """(weights, bias) of a projection as the driver reads them: a bf16 `Linear`'s packed
     weight and bias, an `Int4Linear`'s `Int4Weights` (bias inside) and None; (None, None)
-    for what the driver does not run (another type or dtype, no int4 kernel weights)."""
+    for what the driver does not run (another type, dtype or shape [out, in] than `shape`,
+    no int4 kernel weights)."""
     if type(m) is Linear:
         w = m.weight
-        if w.dtype is BF16 and (w.is_cpu or w.is_meta):
+        if w.dtype is BF16 and (w.is_cpu or w.is_meta) and tuple(w.shape) == shape:
             return m.weight_panels.get(w), m.bias
     elif type(m) is Int4Linear and m.cpu_kernel is not None:
-        return m.cpu_kernel, None
+        if (m.cpu_kernel.num_out, m.cpu_kernel.num_in) == shape:
+            return m.cpu_kernel, None
     return None, None
 
 
@@ -72,115 +105,135 @@ def _lin(weights, bias) -> decoder.Lin:
 
 
 class FusedLayers:
-    """The layer table of one `DecoderModel`, rebuilt when a module, weight, packed copy or
-    KV cache it points at is replaced.
+    """The layer table of one `DecoderModel` (which passes itself to `try_run`: no
+    reference back, so a dropped model is freed at once), rebuilt when a layer, module,
+    weight, packed copy, KV cache or the storage of a tensor it points at changes."""
 
-    Args:
-        model: a `specmoe.models.decoder.DecoderModel`.
-    """
-
-    def __init__(self, model) -> None:
-        self.model = model
-        # (the projections' types are checked per forward: quantisation may replace them)
-        self.eligible = (_dims_supported(model.config)
-                         and all(map(_plain_layer, model.layers)))
+    def __init__(self) -> None:
         self._forget()
 
     def _forget(self) -> None:
         self._key: list | None = None
         self._kv: list = []
-        self._watch: list | None = None
+        self._watch: tuple | None = None  # (dicts, keys, objects)
+        self._tensors: list = []
+        self._ptrs: tuple = ()
+        self._hooks: list = []
         self._table = self._dims = None
         self._has_int4 = False
+        self._num_slots = 0
 
     def __getstate__(self) -> dict:
         """Copies and pickles (of the model) leave the table behind: it holds raw
         addresses; the copy builds its own at its first forward."""
         state = dict(self.__dict__)
-        state.update(_key=None, _kv=[], _watch=None, _table=None, _dims=None, _has_int4=False)
+        state.update(_key=None, _kv=[], _watch=None, _tensors=[], _ptrs=(), _hooks=[],
+                     _table=None, _dims=None, _has_int4=False, _num_slots=0)
         return state
 
-    def try_run(self, x: torch.Tensor, positions: torch.Tensor,
+    def try_run(self, model, x: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor | None:
-        """The layers over x ([T, hidden] bf16, not modified) -> [T, hidden], or None when
-        the fused path does not apply (then run the modules). Raises RuntimeError if the
-        driver fails midway (it does not for inputs that pass the checks here)."""
-        if not (_enabled and self.eligible and not torch.is_grad_enabled() and x.is_cpu
-                and x.dtype is BF16 and x.dim() == 2 and decoder.available()
-                and len(kv_caches) == len(self.model.layers)
-                and self._inputs_ok(x, positions, meta)):
+        """model's layers over x ([T, hidden] bf16, not modified) -> [T, hidden], or None
+        when the fused path does not apply (then run the modules). Raises RuntimeError if
+        a kernel fails midway (out of memory; nothing else that passes the checks here)."""
+        if not (_enabled and not torch.is_grad_enabled() and x.is_cpu and x.dtype is BF16
+                and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
+                and x.shape[1] == model.config.hidden_size and decoder.available()
+                and len(kv_caches) == len(model.layers) > 0):
             return None
-        if not self._unchanged(kv_caches) and not self._rebuild(kv_caches):
+        if not self._unchanged(kv_caches) and not self._rebuild(model, kv_caches):
             return None
-        if self._has_int4 and x.shape[0] > gemv_int4.MAX_ROWS:
+        if (self._has_int4 and x.shape[0] > gemv_int4.MAX_ROWS) or not self._inputs_ok(
+                x.shape[0], positions, meta):
             return None
         out = x.contiguous().clone()
         decoder.run_layers(self._dims, self._table, out, positions, meta.slot_mapping,
                            meta.sequences, meta.sliding_window or 0)
         return out
 
-    def _inputs_ok(self, x: torch.Tensor, positions: torch.Tensor,
-                   meta: AttentionMetadata) -> bool:
-        rotary = self.model.layers[0].attn.rotary
-        t = x.shape[0]
-        return (x.shape[1] == self.model.config.hidden_size and meta.num_tokens == t
-                and positions.shape == (t,) and positions.dtype is torch.int64
-                and positions.is_cpu and positions.is_contiguous() and t > 0
-                and meta.slot_mapping.is_cpu and meta.slot_mapping.is_contiguous()
-                and int(positions.min()) >= 0 and int(positions.max()) < rotary.cos.shape[0])
+    def _inputs_ok(self, t: int, positions: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Positions inside the RoPE table, slots inside the caches (else the modules run
+        and raise)."""
+        slots = meta.slot_mapping
+        return (meta.num_tokens == t and positions.shape == (t,) == slots.shape
+                and positions.dtype is torch.int64 is slots.dtype and positions.is_cpu
+                and slots.is_cpu and positions.is_contiguous() and slots.is_contiguous()
+                and int(positions.min()) >= 0 and int(positions.max()) < self._dims.max_position
+                and int(slots.min()) >= 0 and int(slots.max()) < self._num_slots)
 
     def _unchanged(self, kv_caches) -> bool:
-        """Whether the table is current, checked cheaply (plain dict lookups, not
-        `_sources`' module attributes, ~25 us for 28 layers against ~250 us): the same KV
-        caches, submodules, parameters, packed copies and int4 weights as when it was
-        built. Only kept while every bf16 projection's weight is released to the meta
-        device: a dense one may change its values in place, which `_sources` follows
-        through `PackedWeight.get`."""
-        return (self._watch is not None
-                and all(a is b for a, b in zip(kv_caches, self._kv, strict=True))
-                and all(d.get(k) is o for d, k, o in self._watch))
+        """Whether the table is current, checked in C-level loops (~55 us for 28 layers
+        against ~1 ms to gather and check `_sources` again): the same KV caches, modules,
+        parameters, packed copies and int4 weights as when it was built, in the same
+        storage, and no hooks or per-instance forwards. Only kept while every bf16
+        projection's weight is released to the meta device: a dense one may change its
+        values in place, which `_sources` follows through `PackedWeight.get`."""
+        if self._watch is None or len(kv_caches) != len(self._kv):
+            return False
+        dicts, keys, objects = self._watch
+        return (all(map(operator.is_, kv_caches, self._kv))
+                and all(map(operator.is_, map(dict.get, dicts, keys), objects))
+                and tuple(map(torch.Tensor.data_ptr, self._tensors)) == self._ptrs
+                and not _hooked(self._hooks))
 
-    def _rebuild(self, kv_caches) -> bool:
+    def _rebuild(self, model, kv_caches) -> bool:
         """Gather the sources, rebuild the table if one moved; False when the fused path
         does not apply to them."""
-        sources = self._sources(kv_caches)
+        self._watch = None
+        sources = self._sources(model, kv_caches)
         if sources is None:
             return False
-        if self._key is None or any(a is not b for a, b in zip(sources, self._key)):
-            if not self._fits(sources):
+        tensors = [s for s in sources if isinstance(s, torch.Tensor)]
+        ptrs = tuple(t.data_ptr() for t in tensors)
+        if (self._key is None or len(sources) != len(self._key) or ptrs != self._ptrs
+                or any(a is not b for a, b in zip(sources, self._key))):
+            if not self._fits(model.config, sources):
                 return False
-            self._build(sources)
-        self._watch_sources(kv_caches)
+            self._build(model, sources)
+            self._tensors, self._ptrs = tensors, ptrs
+        self._watch_sources(model, kv_caches)
         return True
 
-    def _sources(self, kv_caches) -> list | None:
+    def _sources(self, model, kv_caches) -> list | None:
         """The RoPE tables, then per layer: the norm weights, (weights, bias) of each
-        projection (`_projection`) and the KV caches; None when a projection is one the
-        driver does not run."""
-        rotary = self.model.layers[0].attn.rotary
+        projection (`_projection`) and the KV caches; None when a layer or projection is
+        one the driver does not run as the modules do."""
+        cfg, layer0 = model.config, model.layers[0]
+        if not _dims_supported(cfg) or not hasattr(layer0, "attn"):
+            return None
+        rotary = layer0.attn.rotary
+        eps, scale = layer0.input_norm.eps, layer0.attn.scale
+        h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+        q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+        shapes = ((q + 2 * kv, h), (h, q), (2 * i, h), (h, i))  # [out, in] per projection
         out: list = [rotary.cos, rotary.sin]
-        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):
+        for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
+            if (not _plain_layer(layer, rotary, eps, scale)
+                    or _hooked(_hook_dicts(_modules_of(layer)))
+                    or any("forward" in m.__dict__ for m in _modules_of(layer))):
+                return None
             attn, mlp = layer.attn, layer.mlp
             out += [layer.input_norm.weight, layer.post_attn_norm.weight]
-            for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                weights, bias = _projection(m)
+            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            for m, shape in zip(projections, shapes):
+                weights, bias = _projection(m, shape)
                 if weights is None:
                     return None
                 out += [weights, bias]
             out += [k_cache, v_cache]
         return out
 
-    def _fits(self, sources: list) -> bool:
+    def _fits(self, cfg, sources: list) -> bool:
         """Whether every tensor of `sources` has the dtype, device, layout and shape the
         kernels take (packed weights are checked by `PackedWeight`, int4 ones by
-        `Int4Weights`)."""
-        cfg = self.model.config
+        `Int4Weights`, their shapes by `_projection`)."""
         h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
         cos, sin = sources[:2]
         if not (cos.dtype is sin.dtype is torch.float32 and cos.is_contiguous()
-                and sin.is_contiguous() and cos.shape == sin.shape and cos.shape[1] * 2 == hd):
+                and sin.is_contiguous() and cos.shape == sin.shape and cos.dim() == 2
+                and cos.shape[1] * 2 == hd):
             return False
         sizes = (h, h, q + 2 * kv, h, 2 * i, h)  # norms, then the projections' biases
         for j in range(2, len(sources), PER_LAYER):
@@ -188,14 +241,16 @@ class FusedLayers:
             vectors = row[:2] + row[3:10:2]
             if not all(_bf16_vector(t, size) for t, size in zip(vectors, sizes)):
                 return False
-            if not all(c.is_cpu and c.dtype is BF16 and c.is_contiguous() and c.dim() == 3
-                       and c.shape[1:] == (cfg.num_key_value_heads, hd) for c in row[10:]):
+            k, v = row[10:]
+            if not (k.shape == v.shape and k.dim() == 3
+                    and k.shape[1:] == (cfg.num_key_value_heads, hd) and all(
+                        c.is_cpu and c.dtype is BF16 and c.is_contiguous() for c in (k, v))):
                 return False
         int4 = any(isinstance(w, gemv_int4.Int4Weights) for w in sources[4::2])
         return not int4 or decoder.int4_available()
 
-    def _build(self, sources: list) -> None:
-        cfg = self.model.config
+    def _build(self, model, sources: list) -> None:
+        cfg, layer0 = model.config, model.layers[0]
         rows = []
         for j in range(2, len(sources), PER_LAYER):
             row = sources[j:j + PER_LAYER]
@@ -205,38 +260,38 @@ class FusedLayers:
         self._table = (decoder.Layer * len(rows))(*rows)
         self._has_int4 = any(lay.qkv.int4 or lay.o.int4 or lay.gate_up.int4 or lay.down.int4
                              for lay in rows)
+        self._num_slots = min(c.shape[0] for c in sources[12::PER_LAYER] + sources[13::PER_LAYER])
         cos, sin = sources[:2]
         self._dims = decoder.Dims(
             cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-            cfg.intermediate_size, cos.shape[0], self.model.layers[0].input_norm.eps,
-            self.model.layers[0].attn.scale, cos.data_ptr(), sin.data_ptr())
+            cfg.intermediate_size, cos.shape[0], layer0.input_norm.eps, layer0.attn.scale,
+            cos.data_ptr(), sin.data_ptr())
         self._key = sources
 
-    def _watch_sources(self, kv_caches) -> None:
+    def _watch_sources(self, model, kv_caches) -> None:
         """What `_unchanged` compares: the entries of the module, parameter and buffer dicts
-        the sources were read through, or nothing (None) while a bf16 projection keeps a
-        dense weight."""
-        self._kv, self._watch = list(kv_caches), None
-        attn0 = self.model.layers[0].attn
-        rotary = attn0.rotary
-        watch = [(attn0._modules, "rotary", rotary)]
-        watch += [(rotary._buffers, k, v) for k, v in rotary._buffers.items()]
-        watch += [(self.model._modules, "layers", self.model.layers)]
-        watch += [(self.model.layers._modules, k, v)
-                  for k, v in self.model.layers._modules.items()]
-        for layer in self.model.layers:
-            projections = [layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj,
-                           layer.mlp.down_proj]
-            if any(type(m) is Linear and not m.weight.is_meta for m in projections):
+        the sources were read through and the attributes `_plain_layer` reads, or nothing
+        (None) while a bf16 projection keeps a dense weight."""
+        self._kv = list(kv_caches)
+        modules = [m for layer in model.layers for m in _modules_of(layer)]
+        self._hooks = _hook_dicts(modules)
+        watch = [(model._modules, "layers", model.layers)]
+        watch += [(model.layers._modules, k, v) for k, v in model.layers._modules.items()]
+        for m in modules:
+            if type(m) is Linear and not m.weight.is_meta:
                 return
-            parents = [layer, layer.input_norm, layer.post_attn_norm, layer.attn, layer.mlp]
-            for parent in parents + projections:
-                watch += [(parent._modules, k, v) for k, v in parent._modules.items()]
-                watch += [(parent._parameters, k, v) for k, v in parent._parameters.items()]
-            for m in projections:
-                if type(m) is Linear:
-                    watch += [(m.__dict__, "weight_panels", m.weight_panels),
-                              (m.weight_panels.__dict__, "packed", m.weight_panels.packed)]
-                else:
-                    watch.append((m.__dict__, "cpu_kernel", m.cpu_kernel))
-        self._watch = watch
+            watch.append((m.__dict__, "forward", None))  # no per-instance forward
+            watch += [(m._modules, k, v) for k, v in m._modules.items()]
+            watch += [(m._parameters, k, v) for k, v in m._parameters.items()]
+            watch += [(m._buffers, k, v) for k, v in m._buffers.items()]
+            if type(m) is Linear:
+                watch += [(m.__dict__, "weight_panels", m.weight_panels),
+                          (m.weight_panels.__dict__, "packed", m.weight_panels.packed)]
+            elif type(m) is Int4Linear:
+                watch.append((m.__dict__, "cpu_kernel", m.cpu_kernel))
+            elif type(m) is Attention:
+                watch += [(m.__dict__, k, m.__dict__[k]) for k in ("qk_norm", "clip_qkv",
+                                                                   "scale")]
+            elif type(m) is RMSNorm:
+                watch.append((m.__dict__, "eps", m.eps))
+        self._watch = tuple(map(list, zip(*watch)))

@@ -7,7 +7,9 @@ aside (the modules run) for what it does not cover."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import copy
+import weakref
 
 import pytest
 import torch
@@ -219,7 +221,7 @@ def test_a_refused_kernel_names_its_layer_and_step(enabled):
     meta = AttentionMetadata.build([SequenceSlice(0, 2, [0])], BLOCK, "cpu")
     x = torch.zeros(2, arch.hidden_size, dtype=BF16)
     with torch.inference_mode():
-        assert fused.try_run(x, torch.arange(2), cache.layers, meta) is not None
+        assert fused.try_run(model, x, torch.arange(2), cache.layers, meta) is not None
         dims = decoder.Dims.from_buffer_copy(fused._dims)
         dims.head_dim = 16  # the RoPE kernel takes multiples of 32 only
         with pytest.raises(RuntimeError, match="RoPE kernel of layer 0"):
@@ -236,5 +238,88 @@ def test_a_replaced_layer_and_a_copied_model_are_followed(enabled):
     assert not torch.equal(before[0][-1], after[0][-1])
     _assert_same(after, _run(model, arch, False))
     copied = copy.deepcopy(model)  # the table holds addresses: the copy builds its own
-    assert copied.fused_layers.model is copied and copied.fused_layers._table is None
+    assert copied.fused_layers._table is None
     _assert_same(_run(copied, arch, True), after)
+
+
+def _swap_qk_norm_layer(model):
+    model.layers[1] = _model(_arch(qk_norm="per_head"), seed=3).layers[1]
+
+
+def _swap_moe_layer(model):
+    model.layers[1] = _model(_moe_arch(), seed=4).layers[1]
+
+
+def _swap_smaller_mlp(model):  # a projection shape the config does not have
+    model.layers[1].mlp = _model(_arch(intermediate_size=64), seed=6).layers[1].mlp
+
+
+def _swap_rope_theta(model):  # another RoPE table in one layer
+    model.layers[1] = _model(_arch(rope_theta=1e6), seed=2).layers[1]
+
+
+def _set_clip(model):
+    model.layers[2].attn.clip_qkv = 0.05
+
+
+def _hook(model):
+    model.layers[1].register_forward_hook(lambda mod, args, out: out * 0.5)
+
+
+@pytest.mark.parametrize("change", [_swap_qk_norm_layer, _swap_moe_layer, _swap_smaller_mlp,
+                                    _swap_rope_theta, _set_clip, _hook])
+def test_changes_the_driver_does_not_cover_send_forwards_to_the_modules(enabled, monkeypatch,
+                                                                        change):
+    arch = ARCHS["qwen2_bias"]
+    model = _model(arch)
+    outs, cache = _run(model, arch, True)
+    change(model)
+    with _counting(monkeypatch) as calls:
+        after = _run(model, arch, True, cache=cache)  # the same caches: no rebuild forced
+    assert calls == []
+    _assert_same(after, _run(model, arch, False))
+
+
+@pytest.mark.parametrize("target", ["norm", "bias", "cos", "k_cache"])
+def test_storage_swapped_under_a_tensor_is_followed(enabled, target):
+    arch = ARCHS["qwen2_bias"]
+    model = _model(arch)
+    outs, cache = _run(model, arch, True)
+    layer = model.layers[1]
+    t = {"norm": layer.post_attn_norm.weight, "bias": layer.attn.qkv_proj.bias,
+         "cos": layer.attn.rotary.cos, "k_cache": cache.layers[1][0]}[target]
+    with torch.no_grad():
+        t.data = t.data.clone() * (1 if target == "k_cache" else 0.5)
+    _assert_same(_run(model, arch, True, cache=cache), _run(model, arch, False))
+
+
+def test_a_slot_outside_the_cache_raises_as_the_modules_do(enabled):
+    arch = ARCHS["qwen2_bias"]
+    model = _model(arch)
+    cache = PagedKVCache(arch, 4, BLOCK, BF16, torch.device("cpu"))
+    _run(model, arch, True, cache=PagedKVCache(arch, 12, BLOCK, BF16, torch.device("cpu")))
+    meta = AttentionMetadata.build([SequenceSlice(0, 3, [10])], BLOCK, "cpu")  # block 10 of 4
+    with torch.inference_mode(), pytest.raises(IndexError):
+        model(torch.tensor([1, 2, 3]), torch.arange(3), cache.layers, meta)
+
+
+def test_a_dropped_model_is_freed_without_the_garbage_collector(enabled):
+    arch = ARCHS["qwen2_bias"]
+    model = _model(arch)
+    _run(model, arch, True)
+    ref = weakref.ref(model)
+    gc.disable()
+    try:
+        del model
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
+def test_fewer_layers_and_caches_are_followed(enabled):
+    arch = ARCHS["qwen2_bias"]
+    model = _model(arch)
+    _run(model, arch, True)
+    del model.layers[2]
+    fewer = _arch(num_hidden_layers=2)
+    _assert_same(_run(model, fewer, True), _run(model, fewer, False))
