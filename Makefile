@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/specmoe demo
+	$(VENV)/bin/specmoe demo --dtype bfloat16
 
 test: $(STAMP)
 	$(PY) -m pytest tests
