@@ -141,7 +141,13 @@ class PackedWeight:
     """A layer's packed copy of one weight for the kernel (`pack_weight`), made on first
     use and made again when the weight has changed since (another tensor, other storage,
     shape, or an in-place edit through the tensor itself; an edit through `.data` is not
-    seen: call `clear()` after one)."""
+    seen: call `clear()` after one).
+
+    `PackedWeight.generation` counts the changes of any instance's packed copy (packing,
+    `adopt`, `clear`): `specmoe.models.fused_layers` rebuilds its pointer table when it
+    moves."""
+
+    generation = 0
 
     def __init__(self) -> None:
         self.packed: torch.Tensor | None = None
@@ -172,6 +178,7 @@ class PackedWeight:
             return self.packed
         if not self._current(weight):
             self.packed = pack_weight(weight.detach())
+            PackedWeight.generation += 1
             self._key, self._source = self._key_of(weight), weakref.ref(weight)
         return self.packed
 
@@ -184,9 +191,11 @@ class PackedWeight:
         """Use `packed` (the same values as the current copy, e.g. moved into huge pages)
         as `weight`'s packed copy."""
         self.packed, self._key, self._source = packed, self._key_of(weight), weakref.ref(weight)
+        PackedWeight.generation += 1
 
     def clear(self) -> None:
         self.packed, self._key, self._source = None, None, None
+        PackedWeight.generation += 1
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:

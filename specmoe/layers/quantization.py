@@ -112,6 +112,7 @@ class Int4Linear(nn.Module):
         """Point our kernel at copies of `extra_weights()` (same values, e.g. in huge pages)."""
         if self.cpu_kernel is not None:
             self.cpu_kernel = gemv_int4.Int4Weights(*tensors, self.cpu_kernel.bias)
+            gemv.PackedWeight.generation += 1  # a packed copy moved: see its docstring
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out] in x's dtype."""

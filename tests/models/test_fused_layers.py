@@ -258,8 +258,9 @@ def _swap_rope_theta(model):  # another RoPE table in one layer
     model.layers[1] = _model(_arch(rope_theta=1e6), seed=2).layers[1]
 
 
-def _set_clip(model):
+def _set_clip(model):  # a plain attribute: the table needs telling
     model.layers[2].attn.clip_qkv = 0.05
+    model.fused_layers.invalidate()
 
 
 def _hook(model):
@@ -281,7 +282,7 @@ def test_changes_the_driver_does_not_cover_send_forwards_to_the_modules(enabled,
 
 
 @pytest.mark.parametrize("target", ["norm", "bias", "cos", "k_cache"])
-def test_storage_swapped_under_a_tensor_is_followed(enabled, target):
+def test_storage_swapped_under_a_tensor_is_followed_after_invalidate(enabled, target):
     arch = ARCHS["qwen2_bias"]
     model = _model(arch)
     outs, cache = _run(model, arch, True)
@@ -290,6 +291,7 @@ def test_storage_swapped_under_a_tensor_is_followed(enabled, target):
          "cos": layer.attn.rotary.cos, "k_cache": cache.layers[1][0]}[target]
     with torch.no_grad():
         t.data = t.data.clone() * (1 if target == "k_cache" else 0.5)
+    model.fused_layers.invalidate()  # `.data` swaps are not seen otherwise
     _assert_same(_run(model, arch, True, cache=cache), _run(model, arch, False))
 
 
@@ -323,3 +325,18 @@ def test_fewer_layers_and_caches_are_followed(enabled):
     del model.layers[2]
     fewer = _arch(num_hidden_layers=2)
     _assert_same(_run(model, fewer, True), _run(model, fewer, False))
+
+
+def test_the_table_is_built_once_for_a_loaded_model(enabled, monkeypatch):
+    arch = ARCHS["qwen2_bias"]
+    model = _model(arch)
+    builds = []
+    real = fused_layers.FusedLayers._rebuild
+    monkeypatch.setattr(fused_layers.FusedLayers, "_rebuild",
+                        lambda self, *a: builds.append(1) or real(self, *a))
+    outs, cache = _run(model, arch, True)
+    _run(model, arch, True, cache=cache)
+    assert len(builds) == 1  # checked per forward in O(1) after that
+    torch.nn.Linear(2, 2)  # any module or parameter assignment anywhere: rebuilt once
+    _run(model, arch, True, cache=cache)
+    assert len(builds) == 2
