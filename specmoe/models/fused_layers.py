@@ -134,8 +134,8 @@ def _lin(weights, bias) -> decoder.Lin:
 
 class FusedLayers:
     """The layer table of one `DecoderModel` (which passes itself to `try_run`: no
-    reference back, so a dropped model is freed at once), rebuilt when a layer, module,
-    weight, packed copy, KV cache or the storage of a tensor it points at changes."""
+    reference back, so a dropped model is freed at once), rebuilt when what it points at
+    may have moved (see the module docstring) or after `invalidate()`."""
 
     def __init__(self) -> None:
         self._forget()
@@ -158,10 +158,10 @@ class FusedLayers:
     def __getstate__(self) -> dict:
         """Copies and pickles (of the model) leave the table behind: it holds raw
         addresses; the copy builds its own at its first forward."""
-        state = dict(self.__dict__)
-        state.update(_key=None, _kv=[], _generation=None, _hooks=[], _ptrs=[], _table=None,
-                     _dims=None, _has_int4=False, _num_slots=0)
-        return state
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self._forget()
 
     def try_run(self, model, x: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
