@@ -20,6 +20,8 @@ import torch
 from specmoe.kernels import gemv
 from specmoe.kernels.build import LazyKernel, load
 
+MAX_ROWS = 65536  # query rows of one sequence the kernel takes (MAX_ROWS in the C source)
+
 
 def load_kernel():
     """Build and load the kernel; returns the ctypes function

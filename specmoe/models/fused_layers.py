@@ -28,7 +28,7 @@ import operator
 import torch
 from torch.nn.modules import module as torch_module
 
-from specmoe.kernels import decoder, gemv_int4
+from specmoe.kernels import attention, decoder, gemv_int4
 from specmoe.kernels.gemv import PackedWeight
 from specmoe.layers.attention import Attention
 from specmoe.layers.linear import Linear
@@ -40,7 +40,6 @@ from specmoe.layers.rotary import RotaryEmbedding
 
 BF16 = torch.bfloat16
 PER_LAYER = 12  # sources per layer: 2 norms, 4 x (weights, bias), 2 caches
-MAX_ROWS = 65536  # rows of one sequence the attention kernel takes
 
 _enabled = True
 _generation = 0  # module, parameter and buffer assignments seen anywhere
@@ -80,6 +79,12 @@ def _hook_dicts(modules) -> list:
     return [d for m in modules for d in (m._forward_hooks, m._forward_pre_hooks)]
 
 
+def _intercepted(modules) -> bool:
+    """Whether hooks or a per-instance forward would make `modules` do more than the
+    driver does."""
+    return _hooked(_hook_dicts(modules)) or any("forward" in m.__dict__ for m in modules)
+
+
 def _hooked(hook_dicts: list) -> bool:
     """Whether a forward hook, global or in `hook_dicts` (`_hook_dicts` of the modules),
     would make the modules do more than the driver does."""
@@ -104,6 +109,19 @@ def _dims_supported(config) -> bool:
     return (config.hidden_size % 16 == 0 and config.intermediate_size % 16 == 0
             and hd % 32 == 0 and hd <= 256
             and config.num_attention_heads % config.num_key_value_heads == 0)
+
+
+def _projection_shapes(cfg) -> tuple[tuple[int, int], ...]:
+    """[out, in] of the QKV, output, gate/up and down projections under `cfg`."""
+    h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    return (q + 2 * kv, h), (h, q), (2 * i, h), (h, i)
+
+
+def _layer_rows(sources: list) -> list[list]:
+    """`sources` (`FusedLayers._sources`) per layer: norm weights, 4 x (weights, bias), k and
+    v caches."""
+    return [sources[j:j + PER_LAYER] for j in range(2, len(sources), PER_LAYER)]
 
 
 def _bf16_vector(t: torch.Tensor | None, size: int) -> bool:
@@ -170,7 +188,7 @@ class FusedLayers:
         when the fused path does not apply (then run the modules). Raises RuntimeError if
         a kernel fails midway (out of memory; nothing else that passes the checks here)."""
         if not (_enabled and not torch.is_grad_enabled() and x.is_cpu and x.dtype is BF16
-                and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
+                and x.dim() == 2 and 0 < x.shape[0] <= attention.MAX_ROWS
                 and x.shape[1] == model.config.hidden_size and decoder.available()
                 and len(kv_caches) == len(model.layers) > 0):
             return None
@@ -194,7 +212,7 @@ class FusedLayers:
             return False
         p_min, p_max = map(int, torch.aminmax(positions))
         s_min, s_max = map(int, torch.aminmax(slots))
-        return 0 <= p_min and p_max < self._dims.max_position and 0 <= s_min < self._num_slots \
+        return 0 <= p_min and p_max < self._dims.max_position and 0 <= s_min \
             and s_max < self._num_slots
 
     def _unchanged(self, kv_caches) -> bool:
@@ -234,14 +252,10 @@ class FusedLayers:
             return None
         rotary = layer0.attn.rotary
         eps, scale = layer0.input_norm.eps, layer0.attn.scale
-        h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-        q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-        shapes = ((q + 2 * kv, h), (h, q), (2 * i, h), (h, i))  # [out, in] per projection
+        shapes = _projection_shapes(cfg)
         out: list = [rotary.cos, rotary.sin]
         for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
-            if (not _plain_layer(layer, rotary, eps, scale)
-                    or _hooked(_hook_dicts(_modules_of(layer)))
-                    or any("forward" in m.__dict__ for m in _modules_of(layer))):
+            if not _plain_layer(layer, rotary, eps, scale) or _intercepted(_modules_of(layer)):
                 return None
             attn, mlp = layer.attn, layer.mlp
             out += [layer.input_norm.weight, layer.post_attn_norm.weight]
@@ -258,16 +272,16 @@ class FusedLayers:
         """Whether every tensor of `sources` has the dtype, device, layout and shape the
         kernels take (packed weights are checked by `PackedWeight`, int4 ones by
         `Int4Weights`, their shapes by `_projection`)."""
-        h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-        q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+        h, hd = cfg.hidden_size, cfg.head_dim
         cos, sin = sources[:2]
         if not (cos.dtype is sin.dtype is torch.float32 and cos.is_contiguous()
                 and sin.is_contiguous() and cos.shape == sin.shape and cos.dim() == 2
                 and cos.shape[1] * 2 == hd):
             return False
-        sizes = (h, h, q + 2 * kv, h, 2 * i, h)  # norms, then the projections' biases
-        for j in range(2, len(sources), PER_LAYER):
-            row = sources[j:j + PER_LAYER]
+        # the norms, then the projections' biases (their out sizes)
+        sizes = (h, h, *(out for out, _ in _projection_shapes(cfg)))
+        rows = _layer_rows(sources)
+        for row in rows:
             vectors = row[:2] + row[3:10:2]
             if not all(_bf16_vector(t, size) for t, size in zip(vectors, sizes)):
                 return False
@@ -276,21 +290,19 @@ class FusedLayers:
                     and k.shape[1:] == (cfg.num_key_value_heads, hd) and all(
                         c.is_cpu and c.dtype is BF16 and c.is_contiguous() for c in (k, v))):
                 return False
-        int4 = any(isinstance(w, gemv_int4.Int4Weights) for w in sources[4::2])
+        int4 = any(isinstance(w, gemv_int4.Int4Weights) for row in rows for w in row[2:10:2])
         return not int4 or decoder.int4_available()
 
     def _build(self, model, sources: list) -> None:
         cfg, layer0 = model.config, model.layers[0]
-        rows = []
-        for j in range(2, len(sources), PER_LAYER):
-            row = sources[j:j + PER_LAYER]
-            lins = [_lin(row[k], row[k + 1]) for k in range(2, 10, 2)]
-            rows.append(decoder.Layer(row[0].data_ptr(), row[1].data_ptr(), *lins,
-                                      row[10].data_ptr(), row[11].data_ptr()))
-        self._table = (decoder.Layer * len(rows))(*rows)
-        self._has_int4 = any(lay.qkv.int4 or lay.o.int4 or lay.gate_up.int4 or lay.down.int4
-                             for lay in rows)
-        self._num_slots = min(c.shape[0] for c in sources[12::PER_LAYER] + sources[13::PER_LAYER])
+        rows = _layer_rows(sources)
+        layers = [decoder.Layer(row[0].data_ptr(), row[1].data_ptr(),
+                                *(_lin(row[k], row[k + 1]) for k in range(2, 10, 2)),
+                                row[10].data_ptr(), row[11].data_ptr()) for row in rows]
+        self._table = (decoder.Layer * len(layers))(*layers)
+        self._has_int4 = any(lin.int4 for lay in layers
+                             for lin in (lay.qkv, lay.o, lay.gate_up, lay.down))
+        self._num_slots = min(row[10].shape[0] for row in rows)  # k and v alike (`_fits`)
         cos, sin = sources[:2]
         self._dims = decoder.Dims(
             cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
