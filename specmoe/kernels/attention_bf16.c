@@ -54,7 +54,9 @@
 #define QK_GROUP 4        /* query vectors scored together (4 partial sums each) */
 #define NEG_BIG -1e30f    /* running-max start: finite, so exp(m_old - m_new) is never NaN */
 #define FAR_PREFETCH_MAX_ROWS 16 /* sequences of at most this many query rows (decode,
-                                    verification) also prefetch 2 chunks ahead */
+                                    verification) also prefetch 2 chunks ahead into L1 and
+                                    FAR_L2_CHUNKS ahead into L2 */
+#define FAR_L2_CHUNKS 4
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 typedef struct {
@@ -243,17 +245,31 @@ ALWAYS_INLINE void chunk_rows(const uint16_t **kp, const uint16_t **vp, const ui
 }
 
 /* chunk_rows of the chunk at p1 (keys up to end) into rows (keys, then values), and
- * software prefetches of them. */
+ * software prefetches of them: into L1 (`to_l2` 0) or only as far as L2 (`to_l2` 1). */
 ALWAYS_INLINE void prefetch_rows(const uint16_t **rows, const uint16_t *k_cache,
                                  const uint16_t *v_cache, const Shape *s, const int64_t *table,
-                                 int64_t p1, int64_t end, int64_t kvh, const int64_t hd) {
+                                 int64_t p1, int64_t end, int64_t kvh, const int64_t hd,
+                                 const int to_l2) {
     const int m = (int)(end - p1 < CHUNK ? end - p1 : CHUNK);
     chunk_rows(rows, rows + CHUNK, k_cache, v_cache, s, table, p1, m, kvh, hd);
     for (int j = 0; j < m; j++)
         for (int64_t b = 0; b < hd * 2; b += 64) {
-            _mm_prefetch((const char *)rows[j] + b, _MM_HINT_T0);
-            _mm_prefetch((const char *)rows[CHUNK + j] + b, _MM_HINT_T0);
+            if (to_l2) {
+                _mm_prefetch((const char *)rows[j] + b, _MM_HINT_T1);
+                _mm_prefetch((const char *)rows[CHUNK + j] + b, _MM_HINT_T1);
+            } else {
+                _mm_prefetch((const char *)rows[j] + b, _MM_HINT_T0);
+                _mm_prefetch((const char *)rows[CHUNK + j] + b, _MM_HINT_T0);
+            }
         }
+}
+
+/* Prefetch of the chunk at p1, when it starts before end, rows discarded. */
+ALWAYS_INLINE void prefetch_chunk(const uint16_t *k_cache, const uint16_t *v_cache,
+                                  const Shape *s, const int64_t *table, int64_t p1, int64_t end,
+                                  int64_t kvh, const int64_t hd, const int to_l2) {
+    const uint16_t *rows[2 * CHUNK];
+    if (p1 < end) prefetch_rows(rows, k_cache, v_cache, s, table, p1, end, kvh, hd, to_l2);
 }
 
 /* Scores, softmax step and P V for query vectors qs[0 .. g-1] (g <= QK_GROUP, a constant
@@ -284,23 +300,31 @@ ALWAYS_INLINE void unit_impl(Query *qs, Chunk *ch, const uint16_t *q, const uint
     const int64_t first = s->window > 0 && pos0 - s->window + 1 > 0 ? pos0 - s->window + 1 : 0;
     const int64_t begin = first / CHUNK * CHUNK;
     const uint16_t *rows[2][2 * CHUNK];  /* key, value rows of this chunk and the next */
+    /* With few query rows (`far`: decode, verification) a chunk is little work, and one
+     * chunk ahead is too late to cover memory latency: every chunk is also asked into L2
+     * FAR_L2_CHUNKS chunks ahead (the unit's first chunks before it starts) and into L1
+     * two chunks ahead. */
+    if (far)
+        for (int64_t p1 = begin; p1 < begin + FAR_L2_CHUNKS * CHUNK; p1 += CHUNK)
+            prefetch_chunk(k_cache, v_cache, s, table, p1, end, kvh, hd, 1);
     load_queries(qs, q, s, row0, v0, nv, start_pos, kvh, hd);
     chunk_rows(rows[0], rows[0] + CHUNK, k_cache, v_cache, s, table, begin,
                (int)(end - begin < CHUNK ? end - begin : CHUNK), kvh, hd);
     for (int64_t p0 = begin, r = 0; p0 < end; p0 += CHUNK, r ^= 1) {
         const int n = (int)(end - p0 < CHUNK ? end - p0 : CHUNK);
         const uint16_t **kp = rows[r], **vp = rows[r] + CHUNK;
-        /* the next chunk's rows (scattered over the cache: one head of each slot, slots in table
-         * order) are fetched while this one computes; with few query rows (`far`), the chunk
-         * after it too: one chunk ahead is too late to cover memory latency where a chunk is
-         * little work. From memory, decode of 16 SmolLM2-135M sequences ran 1.17x faster, 5-row
-         * verifications 1.11x, one 2000-key sequence 1.24x; prefill chunks lost 9% with it, so
-         * they keep to one chunk ahead. Asking for each chunk twice (2 ahead, then 1 ahead) beat
-         * a ring of rows prefetched once 2 chunks ahead (1.03x), as if requests were dropped. */
-        if (p0 + CHUNK < end) prefetch_rows(rows[r ^ 1], k_cache, v_cache, s, table, p0 + CHUNK, end, kvh, hd);
-        if (far && p0 + 2 * CHUNK < end) {
-            const uint16_t *ahead[2 * CHUNK];
-            prefetch_rows(ahead, k_cache, v_cache, s, table, p0 + 2 * CHUNK, end, kvh, hd);
+        /* the next chunk's rows (scattered over the cache: one head of each slot, slots in
+         * table order) are fetched while this one computes. Measured from memory, against
+         * one chunk ahead alone: L1 two ahead gave decode of 16 SmolLM2-135M sequences 1.17x
+         * on Zen 5 (prefill chunks lost 9% with it, so they keep to one ahead); adding L2
+         * four ahead and the first chunks gave 1.5-1.7x on Zen 4 (EPYC 9004: decode of 16
+         * sequences 7.8 -> 5.2 ms per 30 layers), where six or eight ahead lost 10%. Asking
+         * for each chunk twice beat a ring of rows prefetched once (1.03x on Zen 5), as if
+         * requests were dropped. */
+        if (p0 + CHUNK < end) prefetch_rows(rows[r ^ 1], k_cache, v_cache, s, table, p0 + CHUNK, end, kvh, hd, 0);
+        if (far) {
+            prefetch_chunk(k_cache, v_cache, s, table, p0 + 2 * CHUNK, end, kvh, hd, 0);
+            prefetch_chunk(k_cache, v_cache, s, table, p0 + FAR_L2_CHUNKS * CHUNK, end, kvh, hd, 1);
         }
         load_chunk(ch, kp, vp, n, hd);
         int64_t v = 0;
