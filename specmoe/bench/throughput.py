@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from specmoe.bench.throughput_floor import (BYTES_PER_WEIGHT, Machine, MatmulCounts,
+                                            run_floor_seconds)
 from specmoe.loader.aliases import DEFAULT_MODEL
 from specmoe.utils.data import DATASETS, load_prompts
 
@@ -280,7 +282,8 @@ def run_throughput_bench(cfg: ThroughputBenchConfig) -> dict:
     """Run everything `cfg` asks for; returns the JSON-ready results."""
     import torch
 
-    from specmoe.bench.roofline import PROBE_BYTES, measure_read_bandwidth
+    from specmoe.bench.roofline import (PROBE_BYTES, last_level_cache_bytes,
+                                        measure_peak_flops, measure_read_bandwidth)
     from specmoe.kernels import gemv_int4
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
@@ -294,11 +297,16 @@ def run_throughput_bench(cfg: ThroughputBenchConfig) -> dict:
     warm_up(engines, prompts)
     # the host's memory bandwidth drifts by tens of percent: C=1, bound by it, moves with
     # it while large C, bound by compute, does not, so the scaling ratios shift with it
-    device = engines["plain"].target.device
-    env["read_bandwidth_start"] = measure_read_bandwidth(PROBE_BYTES, repeats=3, device=device)
+    target = engines["plain"].target
+    env["read_bandwidth_start"] = measure_read_bandwidth(PROBE_BYTES, repeats=3,
+                                                         device=target.device)
+    env["peak_flops"], env["peak_source"] = measure_peak_flops(target.loaded.dtype,
+                                                               target.device)
     runs = run_sweep(cfg, engines, prompts)
-    env["read_bandwidth_end"] = measure_read_bandwidth(PROBE_BYTES, repeats=3, device=device)
+    env["read_bandwidth_end"] = measure_read_bandwidth(PROBE_BYTES, repeats=3,
+                                                       device=target.device)
     env["load_average_end"] = os.getloadavg()[0]
+    env["floor"] = add_floors(runs, cfg, target.arch, env, last_level_cache_bytes(target.device))
     rows = aggregate(runs)
     return {"config": dataclasses.asdict(cfg), "environment": env, "load_seconds": load_s,
             "prompts": [{k: p[k] for k in ("dataset", "category")}
@@ -307,6 +315,22 @@ def run_throughput_bench(cfg: ThroughputBenchConfig) -> dict:
             "target": target_line(runs, cfg.target_concurrency, cfg.target_ratio),
             "slowest_steps": slowest_steps(runs), "runs": runs,
             "total_seconds": time.perf_counter() - t0}
+
+
+def add_floors(runs: list[dict], cfg: ThroughputBenchConfig, arch, env: dict,
+               cache_bytes: int) -> dict:
+    """Set every successful run's "floor_seconds", the least time its steps could take on
+    this machine (`throughput_floor`), at the probed peak and the better of the two
+    bandwidth probes; returns the machine and counts it used (JSON-ready)."""
+    counts = MatmulCounts.from_arch(arch, BYTES_PER_WEIGHT[cfg.quantization or cfg.dtype])
+    machine = Machine(env["peak_flops"], max(env["read_bandwidth_start"],
+                                             env["read_bandwidth_end"]),
+                      cache_bytes, env["peak_source"])
+    for r in runs:
+        if "error" not in r:
+            r["floor_seconds"] = run_floor_seconds(counts, machine, [
+                (s[2], s[2] if is_decode_step(s) else 0) for s in r["steps"]])
+    return {"machine": machine.to_json(), "counts": dataclasses.asdict(counts)}
 
 
 # ---------------------------------------------------------------- aggregation (pure)
@@ -379,7 +403,10 @@ def _row(concurrency: int, mode: str, runs: list[dict]) -> dict:
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
         "spec_paused_step_share": statistics.fmean(
-            s.get("num_spec_paused_steps", 0) / max(1, s["num_steps"]) for s in stats)}
+            s.get("num_spec_paused_steps", 0) / max(1, s["num_steps"]) for s in stats),
+        "floor_fraction": statistics.median(r["floor_seconds"] / r["wall_seconds"]
+                                            for r in ok) if all(
+            "floor_seconds" in r for r in ok) else None}
 
 
 def is_decode_step(step: list) -> bool:
@@ -388,16 +415,22 @@ def is_decode_step(step: list) -> bool:
     return num_tokens == num_requests + num_drafts
 
 
-def _tps_by_rep(runs: list[dict]) -> dict[tuple, float]:
-    return {(r["rep"], r["concurrency"], r["mode"]): r["tokens_per_s"]
-            for r in runs if "error" not in r}
+def _tps_by_rep(runs: list[dict], at_floor: bool = False) -> dict[tuple, float]:
+    """{(rep, C, mode): tokens/s} of the successful runs; at_floor: the tokens/s a run at
+    its floor would reach (runs without a floor left out)."""
+    return {(r["rep"], r["concurrency"], r["mode"]):
+            r["num_output_tokens"] / r["floor_seconds"] if at_floor else r["tokens_per_s"]
+            for r in runs if "error" not in r and (not at_floor or r.get("floor_seconds"))}
 
 
-def _paired(tps: dict[tuple, float], num: tuple, den: tuple) -> list[float]:
-    """Per repetition: tokens/s of key `num` (concurrency, mode) over that of `den`."""
+def _paired(tps: dict[tuple, float], num: tuple, den: tuple,
+            den_tps: dict[tuple, float] | None = None) -> list[float]:
+    """Per repetition: tokens/s of key `num` (concurrency, mode) over that of `den` (in
+    den_tps when given)."""
+    den_tps = tps if den_tps is None else den_tps
     reps = sorted({k[0] for k in tps})
-    return [tps[(rep, *num)] / tps[(rep, *den)] for rep in reps
-            if (rep, *num) in tps and (rep, *den) in tps]
+    return [tps[(rep, *num)] / den_tps[(rep, *den)] for rep in reps
+            if (rep, *num) in tps and (rep, *den) in den_tps]
 
 
 def _summary(values: list[float]) -> dict:
@@ -435,10 +468,17 @@ def target_line(runs: list[dict], concurrency: int = 16, required: float = 6.0) 
     plain = _summary(_paired(tps, (concurrency, "plain"), (1, "plain")))
     spec = _summary(_paired(tps, (concurrency, "spec"), (1, "plain")))
     ratio = plain["median"]
+    floor = _tps_by_rep(runs, at_floor=True)
     return {"text": text, "concurrency": concurrency, "required_ratio": required,
             "ratio": ratio, "ratio_min": plain["min"], "ratio_max": plain["max"],
             "spec_ratio": spec["median"],
-            "is_met": None if ratio is None else ratio >= required}
+            "is_met": None if ratio is None else ratio >= required,
+            # C at its floor over C=1 as measured: no engine exceeds it on this machine
+            "ceiling_ratio": _summary(_paired(floor, (concurrency, "plain"), (1, "plain"),
+                                              tps))["median"],
+            # both at their floors: the machine's balance of compute and bandwidth
+            "roofline_ratio": _summary(_paired(floor, (concurrency, "plain"),
+                                               (1, "plain")))["median"]}
 
 
 def slowest_steps(runs: list[dict], n: int = 5) -> list[dict]:

@@ -48,6 +48,7 @@ def markdown(results: dict) -> str:
              f"{_bandwidth(env)}total "
              f"{results['total_seconds'] / 60:.1f} min.", "",
              target_sentence(results["target"]), "",
+             *[line for b in [bound_sentence(results)] if b for line in (b, "")],
              *[line for c in caveats(results) for line in (f"**Caveat**: {c}.", "")],
              "## Throughput and latency", "", *throughput_table(results), "",
              "Ratios are taken within each repetition and summarised by their median; "
@@ -56,7 +57,10 @@ def markdown(results: dict) -> str:
              "## Engine under load", "", *engine_table(results["rows"]), "",
              "Decode steps carry no prompt tokens; the prefill share is the time in the other "
              "steps. Decode-only tok/s (plain) counts one token per request over the decode "
-             "steps, with its ratio to the smallest C: the scaling with prefill set aside.",
+             "steps, with its ratio to the smallest C: the scaling with prefill set aside. "
+             "Of floor: the run's floor (each step's matmul flops at the peak or its weight "
+             "reads at the bandwidth, whichever is longer; nothing else counted) over its "
+             "wall time, median of the repetitions.",
              "",
              "## Slowest steps", "", *slowest_table(results["slowest_steps"])]
     errors = [r for r in results["runs"] if "error" in r]
@@ -107,6 +111,26 @@ def target_sentence(target: dict) -> str:
     return line + "."
 
 
+def bound_sentence(results: dict) -> str:
+    """What this machine allows at the target concurrency (`throughput_floor`), or '' for
+    results without floors."""
+    t, floor = results["target"], results["environment"].get("floor")
+    if floor is None or t.get("ceiling_ratio") is None:
+        return ""
+    m, c = floor["machine"], t["concurrency"]
+    row = next((r for r in results["rows"] if r["concurrency"] == c and r["mode"] == "plain"
+                and r.get("floor_fraction") is not None), None)
+    ran = (f" C={c} plain ran at {100 * row['floor_fraction']:.0f}% of its floor."
+           if row else "")
+    return (f"**Bound**: at this machine's probed peak ({m['peak_flops'] / 1e9:.0f} GFLOP/s, "
+            f"{m['peak_source']}), read bandwidth {m['bandwidth'] / 1e9:.0f} GB/s and "
+            f"{m['cache_bytes'] / 2 ** 20:.0f} MiB last-level cache, the matmuls alone "
+            f"(attention and everything else left out) cap C={c} at "
+            f"**{t['ceiling_ratio']:.2f}x** the C=1 rate as measured, and at "
+            f"{t['roofline_ratio']:.2f}x with C=1 at its own floor too: the target is "
+            f"{100 * t['required_ratio'] / t['ceiling_ratio']:.0f}% of the cap.{ran}")
+
+
 def throughput_table(results: dict) -> list[str]:
     ratios = results["ratios"]
     base = ratios["baseline_concurrency"]
@@ -132,8 +156,8 @@ def engine_table(rows: list[dict]) -> list[str]:
     out = ["| C | mode | steps | batch mean | batch max | preemptions | KV blocks peak | "
            "prefix-cache hits | prefill share of time | decode step median (ms) | "
            "step max (ms) | decode-only tok/s | acceptance length | acceptance rate | "
-           "speculation paused |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "speculation paused | of floor |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if not r["num_reps"]:
             continue
@@ -145,8 +169,12 @@ def engine_table(rows: list[dict]) -> list[str]:
                    f"{1e3 * r.get('decode_step_seconds_median', float('nan')):.0f} | "
                    f"{1e3 * r['step_seconds_max']:.0f} | {_decode_only(r)} | "
                    f"{r['mean_acceptance_length']:.2f} | {r['acceptance_rate']:.2f} | "
-                   f"{_paused(r)} |")
+                   f"{_paused(r)} | {_percent(r.get('floor_fraction'))} |")
     return out
+
+
+def _percent(fraction: float | None) -> str:
+    return "" if fraction is None else f"{100 * fraction:.0f}%"
 
 
 def _paused(row: dict) -> str:

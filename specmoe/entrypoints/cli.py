@@ -290,7 +290,8 @@ def cmd_bench_throughput(args) -> None:
     from pathlib import Path
 
     from specmoe.bench.throughput import ThroughputBenchConfig, run_throughput_bench
-    from specmoe.bench.throughput_report import caveats, target_sentence, write_report
+    from specmoe.bench.throughput_report import (bound_sentence, caveats, target_sentence,
+                                                 write_report)
     cfg = ThroughputBenchConfig(
         model=args.model, draft=args.draft, num_speculative_tokens=args.num_speculative_tokens,
         spec_disable_by_batch_size=args.speculative_disable_by_batch_size,
@@ -305,7 +306,9 @@ def cmd_bench_throughput(args) -> None:
     results = run_throughput_bench(cfg)
     for path in write_report(results, out):
         print(path)
-    print(target_sentence(results["target"]).replace("**", ""))
+    for line in (target_sentence(results["target"]), bound_sentence(results)):
+        if line:
+            print(line.replace("**", ""))
     for caveat in caveats(results):
         print(f"caveat: {caveat}")
 
