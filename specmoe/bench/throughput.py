@@ -473,7 +473,8 @@ def target_line(runs: list[dict], concurrency: int = 16, required: float = 6.0) 
             "ratio": ratio, "ratio_min": plain["min"], "ratio_max": plain["max"],
             "spec_ratio": spec["median"],
             "is_met": None if ratio is None else ratio >= required,
-            # C at its floor over C=1 as measured: no engine exceeds it on this machine
+            # C at its floor over C=1 as measured: no engine that schedules the same
+            # tokens exceeds it on this machine
             "ceiling_ratio": _summary(_paired(floor, (concurrency, "plain"), (1, "plain"),
                                               tps))["median"],
             # both at their floors: the machine's balance of compute and bandwidth

@@ -9,7 +9,8 @@ max(flops / F, bytes / BW) (the roofline of Williams et al. 2009, "Roofline: an 
 visual performance model", CACM 52(4)), with F the probed multiply-add peak of the
 machine's vector unit (`specmoe.kernels.peak`) and BW the best probed read bandwidth.
 
-Everything else is left out, so no implementation can beat the sum on that machine:
+Everything else is left out, so no implementation that schedules the same tokens can beat
+the sum on that machine:
 attention (its flops and KV reads), norms, sampling, the scheduler, a draft model's
 forwards, and the LM head rows of steps that carry prompt tokens (the step records do not
 say how many prompts end in them). `specmoe bench throughput` reports each run's fraction of
