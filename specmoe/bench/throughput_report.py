@@ -48,7 +48,7 @@ def markdown(results: dict) -> str:
              f"{_bandwidth(env)}total "
              f"{results['total_seconds'] / 60:.1f} min.", "",
              target_sentence(results["target"]), "",
-             *[line for b in [bound_sentence(results)] if b for line in (b, "")],
+             *([bound, ""] if (bound := bound_sentence(results)) else []),
              *[line for c in caveats(results) for line in (f"**Caveat**: {c}.", "")],
              "## Throughput and latency", "", *throughput_table(results), "",
              "Ratios are taken within each repetition and summarised by their median; "

@@ -317,8 +317,9 @@ ALWAYS_INLINE void unit_impl(Query *qs, Chunk *ch, const uint16_t *q, const uint
          * table order) are fetched while this one computes. Measured from memory, against
          * one chunk ahead alone: L1 two ahead gave decode of 16 SmolLM2-135M sequences 1.17x
          * on Zen 5 (prefill chunks lost 9% with it, so they keep to one ahead); adding L2
-         * four ahead and the first chunks gave 1.5-1.7x on Zen 4 (EPYC 9004: decode of 16
-         * sequences 7.8 -> 5.2 ms per 30 layers), where six or eight ahead lost 10%. Asking
+         * four ahead and the first chunks gave 1.4-1.9x on Zen 4 (EPYC 9004: decode of 16
+         * sequences 7.5 -> 4.3 ms per 30 layers, 5-row verifications 1.4x), where six or
+         * eight ahead lost 10%. Asking
          * for each chunk twice beat a ring of rows prefetched once (1.03x on Zen 5), as if
          * requests were dropped. */
         if (p0 + CHUNK < end) prefetch_rows(rows[r ^ 1], k_cache, v_cache, s, table, p0 + CHUNK, end, kvh, hd, 0);
