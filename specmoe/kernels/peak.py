@@ -30,8 +30,8 @@ def vector_peak_flops(bf16: bool, num_threads: int | None = None,
                       iters: int = 4_000_000, repeats: int = 5) -> float | None:
     """Best-of-`repeats` flop/s of multiply-adds with no memory traffic on `num_threads`
     threads (None: torch's intra-op threads): bf16 `dot_pairs` as the bf16 matmul kernels
-    issue them, or fp32 FMAs. About 0.1 s per repeat at 4e6 iterations. None when the
-    kernel cannot be built here (no AVX-512, no compiler)."""
+    issue them, or fp32 FMAs (at 4e6 iterations a bf16 repeat takes 13 ms at 469 GF/s).
+    None when the kernel cannot be built here (no AVX-512, no compiler)."""
     kernel = _lazy.get()
     if kernel is None:
         return None
