@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from specmoe.analysis.presets import Preset
-from specmoe.bench.roofline import measure_read_bandwidth
+from specmoe.bench.roofline import measure_read_bandwidth, synchronize
 from specmoe.layers.linear import linear
 
 PROBE_ROWS = [1, 2, 3, 4, 6, 8, 12, 16, 17, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512,
@@ -110,18 +110,13 @@ def _time_rows(pieces: list[torch.Tensor], rows: int, repeats: int = 2) -> float
     x = torch.ones(rows, pieces[0].shape[1], dtype=pieces[0].dtype, device=pieces[0].device)
     best = float("inf")
     for _ in range(repeats):
-        _sync(x.device)
+        synchronize(x.device)
         start = time.perf_counter()
         for w in pieces:
             linear(x, w)
-        _sync(x.device)
+        synchronize(x.device)
         best = min(best, time.perf_counter() - start)
     return best
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @dataclass(frozen=True)

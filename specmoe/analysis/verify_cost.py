@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from specmoe.analysis.presets import Preset, fill_synthetic_
+from specmoe.bench.roofline import synchronize
 from specmoe.layers.moe.backends import moe_blocks, set_expert_stats
 from specmoe.layers.moe.router import RoutingResult
 from specmoe.layers.moe.stats import ExpertStatsRecorder
@@ -157,10 +158,10 @@ class VerifyCostBench:
         unique = self._set_routing(batch_size, num_tokens)
         self.stats.unique_experts.clear()
         self.stats.routing.clear()
-        _sync(self.runner.device)
+        synchronize(self.runner.device)
         start = time.perf_counter()
         self.runner.execute(self.cache, seqs)
-        _sync(self.runner.device)
+        synchronize(self.runner.device)
         seconds = time.perf_counter() - start
         if self.routing is None and self.stats.unique_experts:
             unique = [float(u) for counts in self.stats.unique_experts.values() for u in counts]
@@ -185,7 +186,3 @@ def measure_grid(bench: VerifyCostBench, batch_sizes: list[int], num_tokens: lis
                     on_point()
     return list(points.values())
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

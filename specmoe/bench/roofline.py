@@ -1,11 +1,9 @@
 """The bandwidth roofline of decoding: tokens/s <= read bandwidth / bytes read per token;
-and the probes of what bounds a step on this machine: read bandwidth, multiply-add peak,
-last-level cache."""
+and the probes of the machine's limits: read bandwidth, best multiply rate."""
 
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -51,50 +49,42 @@ def weight_bytes_per_token(model: nn.Module) -> int:
 
 
 def measure_peak_flops(dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple[float, str]:
-    """This device's matmul peak in `dtype`, flop/s, and how it was probed: on CPU the
-    vector unit's multiply-add peak (`specmoe.kernels.peak`: bf16 `dot_pairs` for bf16 and
-    fp16, FMAs for fp32); where that kernel cannot be built, or on a GPU, the best of
-    large `torch.matmul` calls (an achieved rate, so below the peak)."""
+    """The best multiply rate probed on this device, flop/s, and which probe gave it.
+
+    On CPU: the vector unit's multiply-add peak for bf16 dot products and for fp32 FMAs
+    (`specmoe.kernels.peak`, where it builds), and large `torch.matmul` calls in `dtype` and
+    in bf16 (which reach units such as AMX that our kernels do not use); on a GPU, the
+    matmuls. The highest is taken, whatever the run's dtype, since quantised paths may
+    multiply in bf16: a floor computed at this rate is only beaten by multiplying faster
+    than anything probed."""
+    probes = []
     if torch.device(device).type == "cpu":
         from specmoe.kernels.peak import vector_peak_flops
-        rate = vector_peak_flops(bf16=dtype is not torch.float32)
-        if rate is not None:
-            kind = "fp32 FMAs" if dtype is torch.float32 else "bf16 dot products"
-            return rate, f"{kind} on {torch.get_num_threads()} threads, no memory traffic"
+        for bf16, kind in ((True, "bf16 dot products"), (False, "fp32 FMAs")):
+            rate = vector_peak_flops(bf16=bf16)
+            if rate is not None:
+                probes.append((rate, f"{kind} on {torch.get_num_threads()} threads, no memory "
+                                     "traffic"))
+    for t in {dtype, torch.bfloat16}:
+        probes.append(_matmul_rate(t, device))
+    return max(probes)
+
+
+def _matmul_rate(dtype: torch.dtype, device: torch.device | str) -> tuple[float, str]:
+    """Best flop/s of four n x n x n torch.matmul calls (n = 1024 on CPU, 8192 on GPU)."""
     n = 1024 if torch.device(device).type == "cpu" else 8192
     a = torch.ones(n, n, dtype=dtype, device=device)
     best = float("inf")
     for _ in range(4):
-        _sync(device)
+        synchronize(device)
         t = time.perf_counter()
         torch.matmul(a, a)
-        _sync(device)
+        synchronize(device)
         best = min(best, time.perf_counter() - t)
-    return 2.0 * n ** 3 / best, f"best of {n}x{n} {str(dtype).removeprefix('torch.')} matmuls"
+    return 2.0 * n ** 3 / best, f"{n}x{n} {str(dtype).removeprefix('torch.')} torch.matmul"
 
 
-def _sync(device: torch.device | str) -> None:
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the device's queued work (CUDA); nothing on CPU."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def last_level_cache_bytes(device: torch.device | str = "cpu") -> int:
-    """Bytes of the last-level cache (CPU: the highest cache level of cpu0 in sysfs; GPU: its
-    L2), or 0 when unknown."""
-    if torch.device(device).type == "cuda":
-        return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0))
-    best = (0, 0)
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            level = int((index / "level").read_text())
-            size = _parse_size((index / "size").read_text().strip())
-        except (OSError, ValueError):
-            continue
-        best = max(best, (level, size))
-    return best[1]
-
-
-def _parse_size(text: str) -> int:
-    """sysfs cache sizes: '32768K', '1M' or a plain byte count."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text)

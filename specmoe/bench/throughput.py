@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specmoe.bench.throughput_floor import (BYTES_PER_WEIGHT, Machine, MatmulCounts,
-                                            run_floor_seconds)
+from specmoe.bench.throughput_floor import MatmulCounts, run_floor_seconds
+from specmoe.config import ArchConfig
 from specmoe.loader.aliases import DEFAULT_MODEL
 from specmoe.utils.data import DATASETS, load_prompts
 
@@ -32,7 +32,7 @@ MODES = ("plain", "spec")
 SPEC_BENCH_CATEGORIES = ["summarization", "rag", "translation", "qa", "math_reasoning"]
 # One step's counters as recorded in each run's "steps" (one list per step).
 STEP_FIELDS = ["seconds", "num_scheduled_requests", "num_scheduled_tokens",
-               "num_draft_tokens", "num_preempted"]
+               "num_draft_tokens", "num_preempted", "num_logits"]
 
 
 @dataclass
@@ -234,7 +234,7 @@ def _timed_step(core, steps: list[list]):
         if core.stats.num_steps > num_steps and last is not None:
             steps.append([round(seconds, 5), last.num_scheduled_requests,
                           last.num_scheduled_tokens, last.num_draft_tokens,
-                          last.num_preempted])
+                          last.num_preempted, last.num_logits])
         return out
     return timed
 
@@ -282,8 +282,7 @@ def run_throughput_bench(cfg: ThroughputBenchConfig) -> dict:
     """Run everything `cfg` asks for; returns the JSON-ready results."""
     import torch
 
-    from specmoe.bench.roofline import (PROBE_BYTES, last_level_cache_bytes,
-                                        measure_peak_flops, measure_read_bandwidth)
+    from specmoe.bench.roofline import PROBE_BYTES, measure_peak_flops, measure_read_bandwidth
     from specmoe.kernels import gemv_int4
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
@@ -306,7 +305,7 @@ def run_throughput_bench(cfg: ThroughputBenchConfig) -> dict:
     env["read_bandwidth_end"] = measure_read_bandwidth(PROBE_BYTES, repeats=3,
                                                        device=target.device)
     env["load_average_end"] = os.getloadavg()[0]
-    env["floor"] = add_floors(runs, cfg, target.arch, env, last_level_cache_bytes(target.device))
+    env["matmul_counts"] = add_floors(runs, target.arch, env["peak_flops"])
     rows = aggregate(runs)
     return {"config": dataclasses.asdict(cfg), "environment": env, "load_seconds": load_s,
             "prompts": [{k: p[k] for k in ("dataset", "category")}
@@ -317,20 +316,16 @@ def run_throughput_bench(cfg: ThroughputBenchConfig) -> dict:
             "total_seconds": time.perf_counter() - t0}
 
 
-def add_floors(runs: list[dict], cfg: ThroughputBenchConfig, arch, env: dict,
-               cache_bytes: int) -> dict:
-    """Set every successful run's "floor_seconds", the least time its steps could take on
-    this machine (`throughput_floor`), at the probed peak and the better of the two
-    bandwidth probes; returns the machine and counts it used (JSON-ready)."""
-    counts = MatmulCounts.from_arch(arch, BYTES_PER_WEIGHT[cfg.quantization or cfg.dtype])
-    machine = Machine(env["peak_flops"], max(env["read_bandwidth_start"],
-                                             env["read_bandwidth_end"]),
-                      cache_bytes, env["peak_source"])
+def add_floors(runs: list[dict], arch: ArchConfig, peak_flops: float) -> dict:
+    """Set "floor_seconds" on every successful run whose steps record their logit rows: the
+    least time its matmuls take at peak_flops (`throughput_floor`). Returns the counts used
+    (JSON-ready)."""
+    counts = MatmulCounts.from_arch(arch)
     for r in runs:
-        if "error" not in r:
-            r["floor_seconds"] = run_floor_seconds(counts, machine, [
-                (s[2], s[2] if is_decode_step(s) else 0) for s in r["steps"]])
-    return {"machine": machine.to_json(), "counts": dataclasses.asdict(counts)}
+        if "error" not in r and all(len(s) > 5 for s in r["steps"]):
+            r["floor_seconds"] = run_floor_seconds(counts, peak_flops,
+                                                   [(s[2], s[5]) for s in r["steps"]])
+    return dataclasses.asdict(counts)
 
 
 # ---------------------------------------------------------------- aggregation (pure)
@@ -411,7 +406,7 @@ def _row(concurrency: int, mode: str, runs: list[dict]) -> dict:
 
 def is_decode_step(step: list) -> bool:
     """A step with no prompt tokens: every request computed its last token and its drafts."""
-    _, num_requests, num_tokens, num_drafts, _ = step
+    num_requests, num_tokens, num_drafts = step[1:4]
     return num_tokens == num_requests + num_drafts
 
 
@@ -473,13 +468,10 @@ def target_line(runs: list[dict], concurrency: int = 16, required: float = 6.0) 
             "ratio": ratio, "ratio_min": plain["min"], "ratio_max": plain["max"],
             "spec_ratio": spec["median"],
             "is_met": None if ratio is None else ratio >= required,
-            # C at its floor over C=1 as measured: no engine that schedules the same
-            # tokens exceeds it on this machine
+            # C at its floor over C=1 as measured: an engine that schedules the same
+            # tokens exceeds it only by multiplying faster than the probed peak
             "ceiling_ratio": _summary(_paired(floor, (concurrency, "plain"), (1, "plain"),
-                                              tps))["median"],
-            # both at their floors: the machine's balance of compute and bandwidth
-            "roofline_ratio": _summary(_paired(floor, (concurrency, "plain"),
-                                               (1, "plain")))["median"]}
+                                              tps))["median"]}
 
 
 def slowest_steps(runs: list[dict], n: int = 5) -> list[dict]:

@@ -58,9 +58,9 @@ def markdown(results: dict) -> str:
              "Decode steps carry no prompt tokens; the prefill share is the time in the other "
              "steps. Decode-only tok/s (plain) counts one token per request over the decode "
              "steps, with its ratio to the smallest C: the scaling with prefill set aside. "
-             "Of floor: the run's floor (each step's matmul flops at the peak or its weight "
-             "reads at the bandwidth, whichever is longer; nothing else counted) over its "
-             "wall time, median of the repetitions.",
+             "Of floor: the time the run's matmuls take at the probed peak (nothing else "
+             "counted) over its wall time, median of the repetitions: high where the "
+             "multiplies bound a run, low where memory reads or overheads do.",
              "",
              "## Slowest steps", "", *slowest_table(results["slowest_steps"])]
     errors = [r for r in results["runs"] if "error" in r]
@@ -114,20 +114,18 @@ def target_sentence(target: dict) -> str:
 def bound_sentence(results: dict) -> str:
     """What this machine allows at the target concurrency (`throughput_floor`), or '' for
     results without floors."""
-    t, floor = results["target"], results["environment"].get("floor")
-    if floor is None or t.get("ceiling_ratio") is None:
+    t, env = results["target"], results["environment"]
+    if t.get("ceiling_ratio") is None or "peak_flops" not in env:
         return ""
-    m, c = floor["machine"], t["concurrency"]
+    c = t["concurrency"]
     row = next((r for r in results["rows"] if r["concurrency"] == c and r["mode"] == "plain"
                 and r.get("floor_fraction") is not None), None)
     ran = (f" C={c} plain ran at {100 * row['floor_fraction']:.0f}% of its floor."
            if row else "")
-    return (f"**Bound**: at this machine's probed peak ({m['peak_flops'] / 1e9:.0f} GFLOP/s, "
-            f"{m['peak_source']}), read bandwidth {m['bandwidth'] / 1e9:.0f} GB/s and "
-            f"{m['cache_bytes'] / 2 ** 20:.0f} MiB last-level cache, the matmuls alone "
-            f"(attention and everything else left out) cap C={c} at "
-            f"**{t['ceiling_ratio']:.2f}x** the C=1 rate as measured, and at "
-            f"{t['roofline_ratio']:.2f}x with C=1 at its own floor too: the target is "
+    return (f"**Bound**: at the best multiply rate probed here ({env['peak_flops'] / 1e9:.0f} "
+            f"GFLOP/s, {env['peak_source']}), the matmuls of the C={c} run alone (attention, "
+            f"memory reads and everything else left out) cap it at "
+            f"**{t['ceiling_ratio']:.2f}x** the C=1 rate as measured: the target is "
             f"{100 * t['required_ratio'] / t['ceiling_ratio']:.0f}% of the cap.{ran}")
 
 

@@ -270,4 +270,5 @@ class Scheduler:
             num_draft_tokens=sum(s.num_draft_tokens for s in out.scheduled),
             num_kv_blocks_used=self.kv_cache.block_pool.num_used_blocks,
             num_kv_blocks_free=self.kv_cache.num_free_blocks,
-            num_preempted=len(out.preempted_request_ids))
+            num_preempted=len(out.preempted_request_ids),
+            num_logits=sum(s.num_logits for s in out.scheduled))

@@ -19,6 +19,8 @@ class StepStats:
         num_draft_tokens: draft tokens verified.
         num_kv_blocks_used, num_kv_blocks_free: target KV cache blocks after scheduling.
         num_preempted: requests preempted in this step.
+        num_logits: rows that produce logits (each scheduled request's last token and
+            drafts, once its prompt is complete): the rows through the LM head.
     """
 
     num_running: int
@@ -29,6 +31,7 @@ class StepStats:
     num_kv_blocks_used: int
     num_kv_blocks_free: int
     num_preempted: int
+    num_logits: int = 0
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""The throughput bench's floor: matmul counts from an architecture, each step's roofline,
-the runs' floors and the bound they put on the scaling target, and the probes behind it."""
+"""The throughput bench's floor: matmul counts from an architecture, the runs' floors and
+the bound they put on the scaling target, and the peak probes behind it."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ import torch
 from specmoe.bench import roofline
 from specmoe.bench.throughput import (ThroughputBenchConfig, add_floors, aggregate, ratios,
                                       slowest_steps, target_line)
-from specmoe.bench.throughput_floor import (Machine, MatmulCounts, run_floor_seconds,
-                                            step_floor_seconds)
+from specmoe.bench.throughput_floor import MatmulCounts, run_floor_seconds
 from specmoe.bench.throughput_report import bound_sentence, markdown
 from specmoe.config import ArchConfig, MoEConfig
 from specmoe.kernels import peak
@@ -32,41 +31,30 @@ def test_dense_counts_match_smollm2_135m():
     arch = _arch(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                  num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                  head_dim=64)
-    c = MatmulCounts.from_arch(arch, 2.0)
+    c = MatmulCounts.from_arch(arch)
     assert c.head_params == 49152 * 576
     assert c.body_params + c.head_params + 61 * 576 == 134_515_008
-    assert c.min_weight_bytes == 2 * (c.body_params + c.head_params)
-    assert c.flops_per_token == 2 * (c.body_params + c.head_params)
 
 
 def test_moe_counts_only_top_k_experts():
     moe = MoEConfig(num_experts=8, top_k=2, moe_intermediate_size=3, norm_topk_prob=True,
                     shared_expert_intermediate_size=5, has_shared_expert_gate=True,
                     moe_layers=[1])
-    c = MatmulCounts.from_arch(_arch(moe=moe), 0.5)
+    c = MatmulCounts.from_arch(_arch(moe=moe))
     attn = 4 * (4 + 2 * 2) + 4 * 4
     dense_layer = attn + 3 * 4 * 8
     moe_layer = attn + 4 * 8 + (3 * 4 * 5 + 4) + 2 * 3 * 4 * 3  # router, shared + gate, 2 experts
-    assert c.body_params == dense_layer + moe_layer
-    assert c.min_weight_bytes == 0.5 * (c.body_params + 40)
-    with pytest.raises(ValueError, match="bytes_per_weight=0"):
-        MatmulCounts.from_arch(_arch(), 0)
+    assert c.body_params == dense_layer + moe_layer and c.head_params == 40
 
 
-def test_step_floor_is_the_slower_of_flops_and_uncached_bytes():
-    c = MatmulCounts(body_params=100, head_params=10, min_weight_bytes=1000.0)
-    m = Machine(peak_flops=1000.0, bandwidth=100.0)
-    assert step_floor_seconds(c, m, 1, 1) == pytest.approx(10.0)  # bytes: 1000 / 100
-    assert step_floor_seconds(c, m, 64, 64) == pytest.approx(2 * 110 * 64 / 1000)  # flops
-    assert step_floor_seconds(c, m, 64, 0) == pytest.approx(2 * 100 * 64 / 1000)
-    cached = Machine(peak_flops=1000.0, bandwidth=100.0, cache_bytes=600)
-    assert step_floor_seconds(c, cached, 1, 1) == pytest.approx(4.0)
-    assert step_floor_seconds(c, Machine(1000.0, 100.0, 5000), 1, 0) == pytest.approx(0.2)
-    assert run_floor_seconds(c, m, [(1, 1), (64, 64)]) == pytest.approx(10.0 + 14.08)
-    for bad in ({"peak_flops": 0.0, "bandwidth": 1.0}, {"peak_flops": 1.0, "bandwidth": 0.0},
-                {"peak_flops": 1.0, "bandwidth": 1.0, "cache_bytes": -1}):
-        with pytest.raises(ValueError, match="invalid machine"):
-            Machine(**bad)
+def test_floor_counts_every_row_and_only_logit_rows_through_the_head():
+    c = MatmulCounts(body_params=100, head_params=10)
+    assert c.step_flops(64, 0) == 2 * 100 * 64
+    assert c.step_flops(5, 5) == 2 * 110 * 5
+    assert run_floor_seconds(c, 1000.0, [(64, 0), (5, 5)]) == pytest.approx(
+        (12800 + 1100) / 1000)
+    with pytest.raises(ValueError, match="peak_flops=0"):
+        run_floor_seconds(c, 0.0, [(1, 1)])
 
 
 def _run(rep, c, tps, steps):
@@ -85,81 +73,76 @@ def _run(rep, c, tps, steps):
 
 
 def _runs():
-    # C=1: a prompt step of 10 tokens, then 7 one-token steps; C=16: one prompt step of 160
-    # tokens with 16 requests, then 7 decode steps of 16. Rep 1 runs at half the speed.
+    # [seconds, requests, tokens, drafts, preempted, logit rows]. C=1: a prompt chunk that
+    # does not end the prompt (1 token, no logits), the prompt's end, then one-token steps;
+    # C=16: a prompt step whose last 4 requests end their prompts, then verifications of 2
+    # drafts each (3 logit rows per request). Rep 1 runs at 0.4x the speed at C=16 and 0.5x
+    # at C=1, so the ratios differ between repetitions.
     out = []
-    for rep, f in ((0, 1.0), (1, 0.5)):
-        out.append(_run(rep, 1, 10.0 * f, [[0.1, 1, 10, 0, 0]] + [[0.1, 1, 1, 0, 0]] * 7))
-        out.append(_run(rep, 16, 40.0 * f, [[0.5, 16, 160, 0, 0]] + [[0.1, 16, 16, 0, 0]] * 7))
+    for rep, (f1, f16) in enumerate(((1.0, 1.0), (0.5, 0.4))):
+        out.append(_run(rep, 1, 10.0 * f1, [[0.1, 1, 1, 0, 0, 0], [0.1, 1, 9, 0, 0, 1]]
+                        + [[0.1, 1, 1, 0, 0, 1]] * 7))
+        out.append(_run(rep, 16, 40.0 * f16, [[0.5, 16, 160, 0, 0, 4]]
+                        + [[0.1, 16, 48, 32, 0, 48]] * 3))
     out.append({"mode": "plain", "rep": 0, "concurrency": 2, "error": "RuntimeError: x"})
+    out.append(_run(0, 4, 1.0, [[0.1, 4, 4, 0, 0]]))  # steps recorded before num_logits
     return out
-
-
-def _floors(runs):
-    env = {"peak_flops": 1e6, "peak_source": "test", "read_bandwidth_start": 1e4,
-           "read_bandwidth_end": 2e4}
-    cfg = ThroughputBenchConfig(dtype="bfloat16")
-    return add_floors(runs, cfg, _arch(), env, cache_bytes=0)
 
 
 def test_add_floors_and_the_bound_on_the_target():
     runs = _runs()
-    info = _floors(runs)
-    counts = MatmulCounts(**info["counts"])
-    machine = Machine(**info["machine"])
-    assert machine.bandwidth == 2e4  # the better of the two probes
-    assert counts == MatmulCounts.from_arch(_arch(), 2.0)
+    assert add_floors(runs, _arch(), 1e6) == dataclasses.asdict(MatmulCounts.from_arch(_arch()))
+    c = MatmulCounts.from_arch(_arch())
     c1, c16 = runs[0], runs[1]
-    # prompt steps put no rows through the head; decode steps put every row
     assert c1["floor_seconds"] == pytest.approx(
-        step_floor_seconds(counts, machine, 10, 0) + 7 * step_floor_seconds(counts, machine, 1, 1))
+        (c.step_flops(1, 0) + c.step_flops(9, 1) + 7 * c.step_flops(1, 1)) / 1e6)
     assert c16["floor_seconds"] == pytest.approx(
-        run_floor_seconds(counts, machine, [(160, 0)] + [(16, 16)] * 7))
-    assert "floor_seconds" not in runs[-1]  # failed runs have none
+        (c.step_flops(160, 4) + 3 * c.step_flops(48, 48)) / 1e6)
+    assert "floor_seconds" not in runs[4] and "floor_seconds" not in runs[5]
     t = target_line(runs, 16, 6.0)
-    # per repetition: C=16 at its floor over C=1 as measured (rep 1's C=1 is half as fast)
+    # per repetition: C=16 at its floor over C=1 as measured (10 and 5 tok/s)
     at_floor = c16["num_output_tokens"] / c16["floor_seconds"]
-    assert t["ceiling_ratio"] == pytest.approx(statistics.median(
-        [at_floor / 10.0, at_floor / 5.0]))
-    assert t["roofline_ratio"] == pytest.approx(
-        at_floor / (c1["num_output_tokens"] / c1["floor_seconds"]))
+    assert t["ceiling_ratio"] == pytest.approx(statistics.median([at_floor / 10.0,
+                                                                  at_floor / 5.0]))
+    assert target_line(runs, 32, 6.0)["ceiling_ratio"] is None
     rows = aggregate(runs)
     row16 = next(r for r in rows if r["concurrency"] == 16)
-    assert row16["floor_fraction"] == pytest.approx(statistics.median(
-        [c16["floor_seconds"] / r["wall_seconds"] for r in runs[1:4:2]]))
+    fractions = [r["floor_seconds"] / r["wall_seconds"] for r in (runs[1], runs[3])]
+    assert fractions[0] != fractions[1]
+    assert row16["floor_fraction"] == pytest.approx(statistics.median(fractions))
+    assert next(r for r in rows if r["concurrency"] == 4)["floor_fraction"] is None
 
 
 def test_report_states_the_bound_only_with_floors():
     runs = _runs()
-    info = _floors(runs)
+    add_floors(runs, _arch(), 1e6)
     results = {"config": dataclasses.asdict(ThroughputBenchConfig(dtype="bfloat16")),
                "environment": {"torch_num_threads": 1, "cpu_count": 2,
                                "load_average_start": 0.0, "load_average_end": 0.0,
-                               "floor": info},
+                               "peak_flops": 1e6, "peak_source": "test probe"},
                "prompts": [{"dataset": "mt_bench", "category": "writing", "num_tokens": 10}],
                "rows": aggregate(runs), "ratios": ratios(runs), "target": target_line(runs),
                "slowest_steps": slowest_steps(runs), "runs": runs, "total_seconds": 1.0}
     t = results["target"]
     text = bound_sentence(results)
-    assert f"**{t['ceiling_ratio']:.2f}x**" in text and "GFLOP/s, test)" in text
+    assert f"**{t['ceiling_ratio']:.2f}x**" in text and "GFLOP/s, test probe)" in text
     assert f"{100 * 6.0 / t['ceiling_ratio']:.0f}% of the cap" in text
     assert "C=16 plain ran at" in text and text in markdown(results)
-    del results["environment"]["floor"]
+    del results["environment"]["peak_flops"]  # results from before the floor
     assert bound_sentence(results) == "" and "**Bound**" not in markdown(results)
 
 
-def test_probes():
-    assert roofline._parse_size("32768K") == 32 << 20
-    assert roofline._parse_size("1M") == 1 << 20 and roofline._parse_size("512") == 512
-    assert roofline.last_level_cache_bytes() >= 0
+def test_probes_take_the_best_rate(monkeypatch):
     rate, source = roofline.measure_peak_flops(torch.bfloat16)
     assert rate > 1e9 and source
+    monkeypatch.setattr(peak, "vector_peak_flops", lambda **kw: 1e15)
+    assert roofline.measure_peak_flops(torch.float32)[0] == 1e15
 
 
 def test_peak_falls_back_to_matmuls(monkeypatch):
     monkeypatch.setattr(peak, "vector_peak_flops", lambda **kw: None)
     rate, source = roofline.measure_peak_flops(torch.float32)
-    assert rate > 1e8 and "1024x1024 float32 matmuls" in source
+    assert rate > 1e8 and "1024x1024" in source and "torch.matmul" in source
 
 
 def test_vector_peak_kernel():

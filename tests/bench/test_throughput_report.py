@@ -25,8 +25,8 @@ def _run(rep, c, mode, tps, latencies=None, drafts=0, accepted=0, preempted=0,
                       "finish_reason": "length", "latency_s": lat, "first_token_s": lat / 4,
                       "decode_tokens_per_s": 7 / (lat * 3 / 4)}
                      for i, lat in enumerate(latencies)],
-        "steps": ([[prefill_seconds, c, 100 * c, 0, 0]] if prefill_seconds else [])
-        + [[s, c, c, 0, 0] for s in step_seconds],
+        "steps": ([[prefill_seconds, c, 100 * c, 0, 0, 0]] if prefill_seconds else [])
+        + [[s, c, c, 0, 0, c] for s in step_seconds],
         "engine_stats": {"num_steps": len(step_seconds), "mean_batch_size": c * 0.9,
                          "max_batch_size": c, "num_scheduled_tokens": 0,
                          "num_preemptions": preempted, "max_kv_blocks_used": 3 * c,

@@ -119,7 +119,8 @@ class FakeEngine:
         assert out.stats == StepStats(  # used + free == num_blocks
             len(sched.running), len(sched.waiting), len(out.scheduled), out.num_scheduled_tokens,
             sum(s.num_draft_tokens for s in out.scheduled), kv.num_blocks - kv.num_free_blocks,
-            kv.num_free_blocks, len(out.preempted_request_ids))
+            kv.num_free_blocks, len(out.preempted_request_ids),
+            sum(s.num_logits for s in out.scheduled))
         ids = [s.request_id for s in out.scheduled]
         assert len(set(ids)) == len(ids)
         for s in out.scheduled:
