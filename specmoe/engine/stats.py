@@ -31,7 +31,7 @@ class StepStats:
     num_kv_blocks_used: int
     num_kv_blocks_free: int
     num_preempted: int
-    num_logits: int = 0
+    num_logits: int
 
 
 @dataclass
