@@ -148,7 +148,7 @@ def test_native_kernel_rows_are_batch_invariant_bit_for_bit(window, num_heads, n
     take -0 for +0)."""
     if not attention_kernel_available():
         pytest.skip("native attention kernel unavailable on this machine")
-    shapes = [(0, 20), (117, 5), (140, 1), (91, 16), (3, 9), (200, 16)]
+    shapes = [(0, 20), (117, 5), (140, 1), (91, 16), (3, 9), (200, 16), (0, 70)]  # 70: 3 units
     seqs, q, cache, _ = _setup(num_heads, num_kv_heads, torch.bfloat16, 5, head_dim, shapes,
                                block_size)
     scale = head_dim ** -0.5
