@@ -86,6 +86,17 @@ class ArchConfig:
     def is_moe(self) -> bool:
         return self.moe is not None
 
+    @property
+    def attention_params(self) -> int:
+        """Weights of one layer's q, k, v and o projections (biases and norms left out)."""
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        return self.hidden_size * (q + 2 * kv) + q * self.hidden_size
+
+    def gated_mlp_params(self, intermediate_size: int) -> int:
+        """Weights of a gated MLP (gate, up and down projections) of that hidden width."""
+        return 3 * self.hidden_size * intermediate_size
+
 
 @dataclass
 class ModelConfig:

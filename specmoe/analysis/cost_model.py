@@ -149,10 +149,9 @@ class ShapeCounts:
     @classmethod
     def from_preset(cls, preset: Preset, dtype_bytes: int = 2) -> "ShapeCounts":
         a = preset.arch()
-        h, q, kv = a.hidden_size, a.num_attention_heads * a.head_dim, \
-            a.num_key_value_heads * a.head_dim
-        ffn = 3 * h * preset.intermediate_size
-        return cls(a.num_hidden_layers, h * (q + 2 * kv) + q * h,
+        h, kv = a.hidden_size, a.num_key_value_heads * a.head_dim
+        ffn = a.gated_mlp_params(preset.intermediate_size)
+        return cls(a.num_hidden_layers, a.attention_params,
                    0 if preset.is_moe else ffn, ffn if preset.is_moe else 0,
                    h * preset.num_experts, a.vocab_size * h, 2 * kv * dtype_bytes,
                    preset.num_experts, preset.top_k, dtype_bytes)

@@ -124,9 +124,8 @@ def preset_size(preset: Preset, dtype_bytes: int = 2) -> PresetSize:
     """Counts parameters from the shape (no model is built)."""
     a = preset.arch()
     h = a.hidden_size
-    attn = h * (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim \
-        + a.num_attention_heads * a.head_dim * h + 2 * h
-    expert = 3 * h * preset.intermediate_size
+    attn = a.attention_params + 2 * h  # and the layer's two norms
+    expert = a.gated_mlp_params(preset.intermediate_size)
     if preset.is_moe:
         mlp_total = preset.num_experts * (expert) + h * preset.num_experts
         mlp_active = preset.top_k * expert + h * preset.num_experts

@@ -41,20 +41,17 @@ class MatmulCounts:
     @classmethod
     def from_arch(cls, arch: ArchConfig) -> "MatmulCounts":
         """Counts from the architecture."""
-        h, q = arch.hidden_size, arch.num_attention_heads * arch.head_dim
-        kv = arch.num_key_value_heads * arch.head_dim
-        attn = h * (q + 2 * kv) + q * h
-        moe = arch.moe
+        h, moe = arch.hidden_size, arch.moe
         moe_layers = set(moe.moe_layers) if moe is not None else set()
         body = 0
         for i in range(arch.num_hidden_layers):
             if i in moe_layers:
-                shared = 3 * h * moe.shared_expert_intermediate_size
+                shared = arch.gated_mlp_params(moe.shared_expert_intermediate_size)
                 shared += h if moe.has_shared_expert_gate else 0
-                body += attn + h * moe.num_experts + shared \
-                    + moe.top_k * 3 * h * moe.moe_intermediate_size
+                body += arch.attention_params + h * moe.num_experts + shared \
+                    + moe.top_k * arch.gated_mlp_params(moe.moe_intermediate_size)
             else:
-                body += attn + 3 * h * arch.intermediate_size
+                body += arch.attention_params + arch.gated_mlp_params(arch.intermediate_size)
         return cls(body, arch.vocab_size * h)
 
     def step_flops(self, num_tokens: int, logit_rows: int) -> float:
