@@ -4,7 +4,7 @@
  *
  * The G query heads sharing a KV head times a sequence's R query rows form G*R query vectors
  * (vector i: row i / G, head i % G); one work unit is (sequence, KV head, block of those
- * vectors in whole rows, about 96: `vector_block`). Keys and values are read from the cache
+ * vectors in whole rows, about 96, `vector_block`). Keys and values are read from the cache
  * through the block table in chunks of 16, once per unit:
  * - Scores (Q K^T): the chunk's keys are transposed so that lane j of vector i holds the
  *   i-th bf16 pair of key j; a query's 16 scores are then `vdpbf16ps` of those vectors with
@@ -52,7 +52,8 @@
 #define MAX_ROWS 65536    /* query rows per sequence */
 #define MIN_VECTOR_BLOCK 96  /* query vectors attended per pass over a unit's keys, in whole
                                 rows (the fewest rows with at least this many vectors) ... */
-#define MAX_VECTOR_BLOCK 128 /* ... unless that passes this (then the most rows below it) */
+#define MAX_VECTOR_BLOCK 128 /* ... unless that passes this (then the most whole rows within
+                                it, at least one) */
 #define QK_GROUP 4        /* query vectors scored together (4 partial sums each) */
 #define NEG_BIG -1e30f    /* running-max start: finite, so exp(m_old - m_new) is never NaN */
 #define FAR_PREFETCH_MAX_ROWS 16 /* sequences of at most this many query rows (decode,

@@ -186,28 +186,30 @@ static void panels(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, 
     }
 }
 
-/* The (panel, row group) unit holding weight w, in panel-major order, where unit (p, g)
- * holds weights [p * T + g * MAX_GROUP, p * T + min((g + 1) * MAX_GROUP, T)); past the last:
- * (num_panels, 0). */
-static void unit_at(int64_t w, int64_t T, int64_t num_panels, int64_t *p, int64_t *g) {
+/* Work of T rows times P panels is indexed panel-major: (panel p, row t) is p * T + t. The
+ * row-group start (p, g) nearest to work index w: row g * MAX_GROUP of panel p, or (p + 1, 0)
+ * when the end of panel p is nearer; past the last panel: (P, 0). */
+static void group_start_near(int64_t w, int64_t T, int64_t num_panels, int64_t *p, int64_t *g) {
     *p = w / T;
-    *g = (w - *p * T) / MAX_GROUP;
+    *g = (w - *p * T + MAX_GROUP / 2) / MAX_GROUP;
+    if (*g * MAX_GROUP >= T) { ++*p; *g = 0; }
     if (*p >= num_panels) { *p = num_panels; *g = 0; }
 }
 
-/* Thread i of nt's share of T <= T_BLOCK rows times all P panels: the units from the one
- * holding weight T * P * i / nt up to the one holding T * P * (i + 1) / nt, so shares differ
- * by at most a row group of one panel, and a panel is shared between two threads only by
- * row groups. Whole panels per thread left one of two threads idle a fifth of the time on 9
+/* Thread i of nt's share of T <= T_BLOCK rows times all P panels: the row groups from the
+ * one starting nearest work index T * P * i / nt to the one starting nearest
+ * T * P * (i + 1) / nt, so shares differ by about a row group and a panel is split between
+ * threads only at row groups (into more than two shares only when threads outnumber
+ * panels). Whole panels per thread left one of two threads idle a fifth of the time on 9
  * panels (SmolLM2's 576 outputs); this way 16-1024 rows ran 1.03-1.11x faster on such
  * matrices on Zen 4 (1, 5 rows and even panel counts: even). */
 static void thread_share(const uint16_t *x, const uint16_t *wp, const uint16_t *bias,
                          uint16_t *y, int64_t T, int64_t K, int64_t N, int64_t i, int64_t nt) {
     const int64_t num_panels = (N + PANEL - 1) / PANEL, total = T * num_panels;
     int64_t pa, ga, pb, gb;
-    unit_at(total * i / nt, T, num_panels, &pa, &ga);
-    unit_at(total * (i + 1) / nt, T, num_panels, &pb, &gb);
-    const int64_t ra = ga * MAX_GROUP, rb = gb * MAX_GROUP < T ? gb * MAX_GROUP : T;
+    group_start_near(total * i / nt, T, num_panels, &pa, &ga);
+    group_start_near(total * (i + 1) / nt, T, num_panels, &pb, &gb);
+    const int64_t ra = ga * MAX_GROUP, rb = gb * MAX_GROUP;
     if (pa == pb) { /* within one panel */
         if (rb > ra) panels(x + ra * K, wp, bias, y + ra * N, rb - ra, K, N, pa, pa + 1);
         return;

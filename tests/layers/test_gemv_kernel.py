@@ -57,7 +57,8 @@ def test_fma_variant_matches_reference(enabled, fma_variant):
 
 
 def test_leading_dims_and_thread_counts(enabled):
-    """Work split among 1-3 threads, and x with leading dimensions."""
+    """Work split among the threads asked for (1-3; work this small runs on at most 2), and
+    x with leading dimensions."""
     was = torch.get_num_threads()
     try:
         for t, threads in [(1, 1), (1, 2), (6, 1), (6, 2), (6, 3), (50, 2)]:
@@ -71,19 +72,23 @@ def test_leading_dims_and_thread_counts(enabled):
 
 
 def test_threads_share_a_panel_by_row_groups(enabled):
-    """With an odd panel count (SmolLM2's 576 outputs: 9 panels of 64) threads split the
-    boundary panel by row groups; every thread count and row count, including blocks of 96
-    and a share smaller than one panel, writes every output with the bits of the row alone."""
+    """Threads whose shares meet inside a panel split it by row groups (9 panels, SmolLM2's
+    576 outputs, shared at 2, 4 and 5 threads; 3 panels; one panel shared by all threads):
+    every output is written, with the bits of its row alone. The output starts as NaN, so
+    a row no thread wrote shows."""
+    kernel = gemv._lazy.get()
     was = torch.get_num_threads()
     try:
         for n in (576, 130, 40):  # 9, 3 and 1 panels
             x, w, b = _inputs(200, 1152, n, bias=True, seed=n)
+            packed = gemv.pack_weight(w)
             torch.set_num_threads(1)
             alone = torch.cat([kernels.try_linear_bf16(x[i:i + 1], w, b) for i in range(200)])
-            for threads in (2, 3, 5):
-                torch.set_num_threads(threads)
-                for t in (7, 16, 40, 97, 200):
-                    y = kernels.try_linear_bf16(x[:t], w, b)
+            for threads in (2, 4, 5):
+                for t in (7, 11, 16, 40, 97, 200):
+                    y = torch.full((t, n), float("nan"), dtype=torch.bfloat16)
+                    kernel(x.data_ptr(), packed.data_ptr(), b.data_ptr(), y.data_ptr(), t,
+                           1152, n, threads)
                     assert torch.equal(y, alone[:t]), (n, threads, t)
     finally:
         torch.set_num_threads(was)
@@ -93,8 +98,9 @@ def test_threads_share_a_panel_by_row_groups(enabled):
 def test_rows_are_batch_invariant_bit_for_bit(enabled, k, n):
     """Row i of a T-row call has the bits of the same row alone, for every T <= 16 and for
     prefill sizes (all code paths: one pass over a panel for up to 6 rows, slices with
-    accumulators set aside beyond, blocks of 96 rows), any position and thread count: what keeps bf16 greedy speculative decoding equal to plain decoding,
-    with chunked prefills and prefix-cache hits too."""
+    accumulators set aside beyond, blocks of 96 rows), any position, on 1 and 2 threads:
+    what keeps bf16 greedy speculative decoding equal to plain decoding, with chunked
+    prefills and prefix-cache hits too."""
     num = 200
     x, w, b = _inputs(num, k, n, bias=True, seed=k)
     was = torch.get_num_threads()

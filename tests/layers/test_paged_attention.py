@@ -139,7 +139,9 @@ def test_native_kernel_attends_prefill_and_decode_rows_in_one_call(num_heads, nu
 
 @pytest.mark.parametrize("window", [None, 37])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(12, 2, 128, BLOCK_SIZE),
-                                                                        (9, 3, 80, 16)])
+                                                                        (9, 3, 80, 16),
+                                                                        (4, 4, 32, 16),
+                                                                        (130, 1, 16, 16)])
 def test_native_kernel_rows_are_batch_invariant_bit_for_bit(window, num_heads, num_kv_heads,
                                                             head_dim, block_size):
     """Each query row's output has the same bits computed with the other rows and sequences
@@ -148,7 +150,9 @@ def test_native_kernel_rows_are_batch_invariant_bit_for_bit(window, num_heads, n
     take -0 for +0)."""
     if not attention_kernel_available():
         pytest.skip("native attention kernel unavailable on this machine")
-    shapes = [(0, 20), (117, 5), (140, 1), (91, 16), (3, 9), (200, 16), (0, 70)]  # 70: 3 units
+    # (0, 100): several work units per KV head (96 rows of G = 1, 32 of G = 3, 16 of G = 6,
+    # one row of G = 130)
+    shapes = [(0, 20), (117, 5), (140, 1), (91, 16), (3, 9), (200, 16), (0, 100)]
     seqs, q, cache, _ = _setup(num_heads, num_kv_heads, torch.bfloat16, 5, head_dim, shapes,
                                block_size)
     scale = head_dim ** -0.5
