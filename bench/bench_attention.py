@@ -6,14 +6,15 @@ Each layer gets its own bf16 KV cache, and every sequence's blocks are scattered
 over it, as a paged cache fills; all layers' caches together take at least `--min-mib`
 (default 512). A case's own keys and values (printed as "KV") come from memory where they
 exceed the last-level cache (the decode and verification batches of 16 and 64 sequences),
-from cache where they fit (the 769-token prefill). After one untimed round of both, kernel and
+from cache where they fit (the prefills). After one untimed round of both, kernel and
 torch alternate within each repetition in one process; the ratio is taken per repetition and
 min/median over repetitions are printed, with the kernel's KV read rate and the largest
 difference between the two outputs. The memory read bandwidth is probed first, since the
 host's memory phase moves these numbers.
 
     python bench/bench_attention.py [--model smollm2|qwen1.5b] [--reps 5] [--min-mib 512]
-                                    [--cases decode16,verify16x5,decode64,decode1x2000,prefill769]
+                                    [--cases decode16,verify16x5,decode64,decode1x2000,
+                                             prefill769,prefill6x176]
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from specmoe.layers.paged_attention import AttentionMetadata, SequenceSlice, pag
 MODELS = {"smollm2": (9, 3, 64, 30), "qwen1.5b": (12, 2, 128, 28)}
 # name: (context lengths of the sequences before this forward, new rows per sequence)
 CASES = {"decode16": ([208] * 16, 1), "verify16x5": ([208] * 16, 5),
-         "decode64": ([300] * 64, 1), "decode1x2000": ([2000], 1), "prefill769": ([0], 769)}
+         "decode64": ([300] * 64, 1), "decode1x2000": ([2000], 1), "prefill769": ([0], 769),
+         "prefill6x176": ([0] * 6, 176)}  # a ~1000-token prefill step of short prompts
 BLOCK_SIZE = 16
 
 
