@@ -377,12 +377,12 @@ static int64_t vector_block(int64_t G) {
     return rows * G;
 }
 
-/* Every (sequence, KV head, vector block) unit with its cost (keys read x query vectors),
- * longest first, so that the threads taking them in turn finish together. NULL when out of
- * memory. */
+/* Every (sequence, KV head, block of vb query vectors) unit with its cost (keys read x
+ * query vectors), longest first, so that the threads taking them in turn finish together.
+ * NULL when out of memory. */
 static Unit *plan_units(const int64_t *num_rows, const int64_t *start_pos, int64_t num_seqs,
-                        int64_t G, int64_t num_kv_heads, int64_t window, int64_t *num_units) {
-    const int64_t vb = vector_block(G);
+                        int64_t G, int64_t vb, int64_t num_kv_heads, int64_t window,
+                        int64_t *num_units) {
     int64_t total = 0;
     for (int64_t i = 0; i < num_seqs; i++)
         total += (G * num_rows[i] + vb - 1) / vb * num_kv_heads;
@@ -425,7 +425,8 @@ int specmoe_attention_bf16(const uint16_t *q, const uint16_t *k_cache,
             return -1;
     const int64_t G = num_heads / num_kv_heads, vb = vector_block(G);
     int64_t num_units;
-    Unit *units = plan_units(num_rows, start_pos, num_seqs, G, num_kv_heads, window, &num_units);
+    Unit *units = plan_units(num_rows, start_pos, num_seqs, G, vb, num_kv_heads, window,
+                              &num_units);
     if (!units) return -1;
     if (num_threads > num_units) num_threads = (int)num_units;
     if (num_threads < 1) num_threads = 1;
