@@ -6,79 +6,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specmoe.entrypoints.args import comma_list
+from specmoe.entrypoints.args import (add_model_args, add_spec_args, apply_threads, comma_list,
+                                      llm_from_args, speculative_from_args)
 from specmoe.entrypoints.routing_cli import (add_routing_parser, check_trace_path, cmd_routing,
                                              generate_with_trace)
 from specmoe.entrypoints.study_cli import add_study_parser
-from specmoe.loader.aliases import DEFAULT_MODEL
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="HF model directory, .gguf file or alias (default: %(default)s)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="activations and unquantised weights (default: %(default)s, exact; "
-                        "bfloat16 runs the native CPU kernels and decodes several times "
-                        "faster)")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: auto)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
-    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                   help="weight-only quantisation of the target's dense projections")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads (default: torch's, one per core; on cores "
-                        "busy with other jobs, 1 avoids spin-waiting threads that can slow "
-                        "decoding by orders of magnitude)")
-
-
-def apply_threads(args) -> None:
-    """Set torch's intra-op thread count from --threads (if given).
-
-    Raises:
-        ValueError: --threads below 1.
-    """
-    if args.threads is None:
-        return
-    if args.threads < 1:
-        raise ValueError(f"invalid --threads={args.threads}: must be >= 1")
-    import torch
-    torch.set_num_threads(args.threads)
-
-
-def add_spec_args(p: argparse.ArgumentParser, default_draft: str | None = None) -> None:
-    p.add_argument("--draft", default=default_draft,
-                   help="'ngram' for prompt lookup, or a draft model path/alias")
-    p.add_argument("--num-speculative-tokens", "-k", type=int, default=4,
-                   help="K, draft tokens verified per step (default: %(default)s)")
-    p.add_argument("--prompt-lookup-min", type=int, default=1)
-    p.add_argument("--prompt-lookup-max", type=int, default=3)
-    p.add_argument("--draft-quantization", default=None, choices=["int8", "int4"],
-                   help="weight-only quantisation of the draft model (int4: ~3x cheaper "
-                        "drafting on CPU)")
-    p.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
-                   help="pause speculation while at least this many requests run (large "
-                        "batches are compute-bound; `specmoe bench throughput` shows where "
-                        "speculation stops paying)")
-
-
-def speculative_from_args(args) -> dict | None:
-    if not args.draft:
-        return None
-    spec = {"num_speculative_tokens": args.num_speculative_tokens,
-            "prompt_lookup_min": args.prompt_lookup_min,
-            "prompt_lookup_max": args.prompt_lookup_max,
-            "draft_quantization": args.draft_quantization,
-            "disable_by_batch_size": args.speculative_disable_by_batch_size}
-    if args.draft == "ngram":
-        return {"method": "ngram", **spec}
-    return {"method": "draft", "draft_model": args.draft, **spec}
-
-
-def llm_from_args(args, speculative: dict | None):
-    """An LLM built from the model and speculation options of `add_model_args`."""
-    from specmoe import LLM
-    apply_threads(args)
-    return LLM(args.model, speculative=speculative, dtype=args.dtype, device=args.device,
-               max_model_len=args.max_model_len, quantization=args.quantization)
 
 
 def build_parser() -> argparse.ArgumentParser:

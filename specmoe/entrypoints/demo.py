@@ -20,7 +20,7 @@ DEMO_CATEGORIES = ["summarization", "rag", "coding", "math_reasoning", "translat
 
 def run_demo(args) -> None:
     from specmoe import SamplingParams
-    from specmoe.entrypoints.cli import llm_from_args, speculative_from_args
+    from specmoe.entrypoints.args import llm_from_args, speculative_from_args
     console = Console()
     prompts = one_per_category("spec_bench", DEMO_CATEGORIES)[:args.num_prompts]
     spec = speculative_from_args(args)

@@ -14,7 +14,7 @@ from specmoe.analysis.speedup import parse_acceptance_lengths
 from specmoe.analysis.study_config import (ROUTINGS, StudyConfig, StudyPlan, plan_study,
                                            prepare_out_dir)
 from specmoe.analysis.study_report import write_outputs
-from specmoe.entrypoints.args import comma_list
+from specmoe.entrypoints.args import apply_threads, comma_list
 
 
 def _acceptance_arg(text: str) -> dict[int, float]:
@@ -86,7 +86,6 @@ def config_from_args(args) -> StudyConfig:
 
 
 def cmd_study(args) -> int:
-    from specmoe.entrypoints.cli import apply_threads
     apply_threads(args)
     cfg = config_from_args(args)
     plan = plan_study(cfg)
