@@ -338,7 +338,7 @@ testing.
 
 ## Data
 
-`../shared/data/corpus/` (5 files, 7.4 MB): `arxiv`, `b3g` (books), `c4` (web),
+`data/corpus/` of the repository (5 files, 7.4 MB): `arxiv`, `b3g` (books), `c4` (web),
 `github_oss_with_stack` (source code), `wikipedia`. Source: allenai/OLMoE @ 357454f4,
 `scripts/routing_output/text/*_texts.txt` (repository Apache-2.0; the samples come from public
 corpora with their own terms). The last {val_pct:.0f}% of every file (cut at a line boundary) is
@@ -450,7 +450,7 @@ def render_card(facts: dict, evals: dict, fig: dict, acc: dict, num_prompts: int
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--corpus-dir", type=Path, default=None,
-                   help="default: corpus/ of the shared data folder ($SPECMOE_DATA_DIR)")
+                   help="default: data/corpus/ of this repository")
     p.add_argument("--val-fraction", type=float, default=0.05,
                    help="must equal the training run's (default: %(default)s)")
     p.add_argument("--max-windows", type=int, default=None,

@@ -1,6 +1,6 @@
 """Train the tiny fixture models `tiny-moe` (OLMoE target) and `tiny-moe-draft` (Llama draft).
 
-Seeded and reproducible on CPU. From the domain corpus (`../shared/data/corpus/*.txt`, or
+Seeded and reproducible on CPU. From the domain corpus (`data/corpus/*.txt` of this repository, or
 `--corpus-dir`), the last `--val-fraction` of every file (cut at a line boundary) is held out
 for validation; on the rest we train
 
@@ -44,13 +44,8 @@ CHAT_TEMPLATE = (
 # ----------------------------------------------------------------------------- data
 
 def default_corpus_dir() -> Path:
-    """`corpus/` of the shared data folder ($SPECMOE_DATA_DIR or ../shared/data).
-
-    Raises:
-        FileNotFoundError: when the shared data folder is not found.
-    """
-    from specmoe.utils.data import find_data_dir
-    return find_data_dir() / "corpus"
+    """The domain corpus kept in this repository (`data/corpus/`, with its license)."""
+    return Path(__file__).resolve().parent.parent / "data" / "corpus"
 
 
 @dataclass
@@ -337,7 +332,7 @@ def _portable_tokenizer_class(path: Path) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--corpus-dir", type=Path, default=None,
-                   help="default: corpus/ of the shared data folder ($SPECMOE_DATA_DIR)")
+                   help="default: data/corpus/ of this repository")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT,
                    help="writes tiny-moe/ and tiny-moe-draft/ here (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)

