@@ -59,14 +59,17 @@ class SpecDecodeStats:
         for i in range(num_accepted):
             self.num_accepted_per_position[i] += 1
 
-    def merge(self, other: "SpecDecodeStats") -> None:
-        """Accumulate another stats object into this one."""
+    def merge(self, other: "SpecDecodeStats", times: bool = True) -> None:
+        """Accumulate another stats object into this one; with `times` False, its counts
+        only (the requests of a batch share each step's seconds, so their times add up to
+        more than the wall time)."""
         self.num_drafts += other.num_drafts
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
         self.num_emitted_tokens += other.num_emitted_tokens
-        self.draft_time_s += other.draft_time_s
-        self.verify_time_s += other.verify_time_s
+        if times:
+            self.draft_time_s += other.draft_time_s
+            self.verify_time_s += other.verify_time_s
         n = max(len(self.num_accepted_per_position), len(other.num_accepted_per_position))
         mine = self.num_accepted_per_position + [0] * (n - len(self.num_accepted_per_position))
         theirs = other.num_accepted_per_position + [0] * (

@@ -80,6 +80,7 @@ class EngineSnapshot:
         num_kv_blocks_used, num_kv_blocks_total: target KV cache blocks.
         num_prefix_queries, num_prefix_hits: prefix-cache lookups, in tokens, since start.
         num_preemptions: requests preempted since start.
+        num_generation_tokens: output tokens emitted since start, as steps emit them.
         spec: speculation statistics of every finished request, merged.
         num_step_failures: steps that raised since start.
         num_spec_paused_steps: steps after which speculation paused for the batch size
@@ -96,6 +97,7 @@ class EngineSnapshot:
     spec: SpecDecodeStats
     num_step_failures: int
     num_spec_paused_steps: int = 0
+    num_generation_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -439,7 +441,8 @@ class AsyncEngine:
             num_prefix_hits=pool.prefix_cache_stats.num_hit_tokens,
             num_preemptions=engine.stats.num_preemptions, spec=engine.stats.spec,
             num_step_failures=self._num_step_failures,
-            num_spec_paused_steps=engine.stats.num_spec_paused_steps))
+            num_spec_paused_steps=engine.stats.num_spec_paused_steps,
+            num_generation_tokens=engine.stats.num_generation_tokens))
 
     @staticmethod
     def _safe_observe(fn, arg) -> None:

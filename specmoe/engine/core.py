@@ -124,17 +124,20 @@ class EngineCore:
             for s in out.scheduled])  # [sum of num_logits, vocab_size]
         sampled = [s for s in out.scheduled if s.num_logits]
         reqs = [self.scheduler.requests[s.request_id] for s in sampled]
-        num_rejected, num_accepted = self._verify(
+        num_rejected, num_accepted, num_emitted = self._verify(
             sampled, reqs, logits.split([s.num_logits for s in sampled]))
         self.step_observer.on_step_verified(out.scheduled, self.scheduler.requests, num_accepted)
         verify_time = time.perf_counter() - t0
-        for s, req in zip(sampled, reqs):
-            if s.num_draft_tokens:
-                req.spec_stats.verify_time_s += verify_time
+        verified = [req for s, req in zip(sampled, reqs) if s.num_draft_tokens]
+        for req in verified:
+            req.spec_stats.verify_time_s += verify_time
+        if verified:
+            self.stats.spec.verify_time_s += verify_time
+        self.stats.num_generation_tokens += sum(num_emitted.values())
         finished = self.scheduler.update_from_output(out, num_rejected)
         for req in finished:
             self._forget(req.request_id)
-            self.stats.spec.merge(req.spec_stats)
+            self.stats.spec.merge(req.spec_stats, times=False)
             req.metrics.decode_time_s = (time.perf_counter() - req.metrics.arrival_time
                                          - req.metrics.first_token_time_s)
         if self._speculation_paused():
@@ -145,24 +148,26 @@ class EngineCore:
         return finished
 
     def _verify(self, sampled: list[ScheduledRequest], reqs: list[Request],
-                logits: tuple[torch.Tensor, ...]) -> tuple[dict[str, int], dict[str, int]]:
+                logits: tuple[torch.Tensor, ...]
+                ) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
         """Rejection-sample every request that reached its last token, append what it
-        emits, and return, per request id, its rejected drafts and its accepted drafts that
-        were kept."""
+        emits, and return, per request id, its rejected drafts, its accepted drafts that
+        were kept, and the tokens it emitted."""
         rows = [self._verify_row(s, req, rows) for s, req, rows in zip(sampled, reqs, logits)]
-        num_rejected, num_accepted = {}, {}
+        num_rejected, num_accepted, num_emitted = {}, {}, {}
         for s, req, row, result in zip(sampled, reqs, rows, verify_rows(rows)):
             if not req.output_token_ids:
                 req.metrics.first_token_time_s = time.perf_counter() - req.metrics.arrival_time
                 req.metrics.prefill_time_s = req.metrics.first_token_time_s
             logprobs = _logprobs(req, row.logits, result.token_ids)
             num_kept = self.processor.append(req, result.token_ids, logprobs)
+            num_emitted[s.request_id] = num_kept
             num_accepted[s.request_id] = min(result.num_accepted, num_kept)
             req.spec_stats.record(s.num_draft_tokens, num_accepted[s.request_id])
             if s.num_draft_tokens:
                 req.spec_stats.num_emitted_tokens += num_kept
             num_rejected[s.request_id] = s.num_draft_tokens - result.num_accepted
-        return num_rejected, num_accepted
+        return num_rejected, num_accepted, num_emitted
 
     def _verify_row(self, s: ScheduledRequest, req: Request, logits: torch.Tensor) -> VerifyRow:
         probs = self._draft_probs.pop(s.request_id, None)
@@ -193,6 +198,7 @@ class EngineCore:
         t0 = time.perf_counter()
         proposals = self.proposer.propose([ask for _, ask in asks])
         draft_time = time.perf_counter() - t0
+        self.stats.spec.draft_time_s += draft_time
         for (req, _), proposal in zip(asks, proposals):
             req.spec_token_ids = proposal.token_ids
             self._draft_probs[req.request_id] = proposal.probs

@@ -45,7 +45,11 @@ class EngineStats:
         num_scheduled_tokens: tokens computed.
         num_preemptions: requests preempted.
         max_kv_blocks_used: peak target KV cache blocks in use.
-        spec: speculation statistics of every finished request, merged.
+        num_generation_tokens: output tokens emitted to requests, counted as each step
+            emits them (finished or not).
+        spec: the speculation counts of every finished request, merged; its draft_time_s
+            and verify_time_s are the engine's own wall-clock seconds spent drafting and in
+            steps that verified drafts (each counted once, however many requests shared it).
         num_spec_paused_steps: steps after which drafting was skipped because at least
             `disable_by_batch_size` requests were running (counted whether or not any of them
             would have drafted).
@@ -58,6 +62,7 @@ class EngineStats:
     num_scheduled_tokens: int = 0
     num_preemptions: int = 0
     max_kv_blocks_used: int = 0
+    num_generation_tokens: int = 0
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     num_spec_paused_steps: int = 0
     last_step: StepStats | None = None
@@ -84,6 +89,7 @@ class EngineStats:
             "num_scheduled_tokens": self.num_scheduled_tokens,
             "num_preemptions": self.num_preemptions,
             "max_kv_blocks_used": self.max_kv_blocks_used,
+            "num_generation_tokens": self.num_generation_tokens,
             "spec_decode": self.spec.to_dict(),
             "num_spec_paused_steps": self.num_spec_paused_steps,
             "last_step": asdict(self.last_step) if self.last_step else None,

@@ -3,6 +3,8 @@ saved with transformers), counters from engine snapshots, and per-app registries
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import transformers
@@ -83,3 +85,23 @@ def test_counters_follow_snapshots_and_registries_are_per_app():
     assert value(a, "specmoe:time_per_output_token_seconds_sum") == pytest.approx(0.2)
     assert value(a, "specmoe:request_success_total", finished_reason="length") == 1
     assert value(b, "specmoe:spec_decode_num_draft_tokens_total") == 0
+
+
+def test_generation_tokens_count_as_steps_emit_them(tiny_moe):
+    """Tokens of a request still running are counted: a snapshot after each step of a real
+    engine moves the counter, before anything finished."""
+    metrics = ServerMetrics("m")
+    engine = tiny_moe.engine
+    tiny_moe.add_request(tiny_moe.make_request(
+        [5, 6, 7], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)))
+    start = engine.stats.num_generation_tokens
+    seen = []
+    while engine.has_unfinished_requests:
+        finished = tiny_moe.step()
+        emitted = engine.stats.num_generation_tokens - start
+        metrics.on_step(replace(_snapshot(SpecDecodeStats()), num_generation_tokens=emitted))
+        seen.append((bool(finished), _samples(metrics, "specmoe:generation_tokens_total")[0].value))
+    assert seen[0] == (False, 1.0)  # the prefill's token, counted while the request runs
+    assert seen[-1] == (True, 5.0)
+    metrics.on_finished(FinishedRecord(3, 5, "length", ttft_s=0.1, e2e_s=0.2))
+    assert _samples(metrics, "specmoe:generation_tokens_total")[0].value == 5.0

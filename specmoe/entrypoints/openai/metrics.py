@@ -94,7 +94,8 @@ class ServerMetrics(NullEngineObserver):
         self.prefix_hits = c("prefix_cache_hits", "Prefix-cache hit tokens.")
         self.preemptions = c("num_preemptions", "Requests preempted.")
         self.prompt_tokens = c("prompt_tokens", "Prompt tokens of finished requests.")
-        self.generation_tokens = c("generation_tokens", "Tokens generated.")
+        self.generation_tokens = c("generation_tokens", "Tokens generated, counted as each "
+                                   "engine step emits them.")
         self.success = c("request_success", "Finished requests.", ["finished_reason"])
         self.num_drafts = c("spec_decode_num_drafts", "Verification steps with drafts.")
         self.num_draft_tokens = c("spec_decode_num_draft_tokens", "Draft tokens proposed.")
@@ -145,6 +146,8 @@ class ServerMetrics(NullEngineObserver):
         self._inc(self.prefix_hits, s.num_prefix_hits, last and last.num_prefix_hits)
         self._inc(self.preemptions, s.num_preemptions, last and last.num_preemptions)
         self._inc(self.step_failures, s.num_step_failures, last and last.num_step_failures)
+        self._inc(self.generation_tokens, s.num_generation_tokens,
+                  last and last.num_generation_tokens)
         self._record_spec(s, last)
         self._last = replace(s, spec=replace(s.spec, num_accepted_per_position=[]))
         if self.expert_load is not None:
@@ -175,7 +178,6 @@ class ServerMetrics(NullEngineObserver):
         m = self.model_name
         self.success.labels(m, r.finish_reason).inc()
         self.prompt_tokens.labels(m).inc(r.num_prompt_tokens)
-        self.generation_tokens.labels(m).inc(r.num_output_tokens)
         self.e2e.labels(m).observe(r.e2e_s)
         if r.ttft_s is not None:
             self.ttft.labels(m).observe(r.ttft_s)
