@@ -15,7 +15,7 @@ from specmoe.config import EngineConfig, ModelConfig, SchedulerConfig, Speculati
 from specmoe.engine.core import EngineCore
 from specmoe.engine.output_processor import OutputProcessor
 from specmoe.layers.quantization import speculation_caveat
-from specmoe.loader.model_loader import load_model
+from specmoe.loader.model_loader import load_model, resolve_dtype
 from specmoe.outputs import RequestOutput
 from specmoe.request import Request
 from specmoe.sampling_params import SamplingParams
@@ -36,7 +36,8 @@ class LLM:
         speculative: None (no speculation), a SpeculativeConfig, or a dict of its fields,
             e.g. {"method": "ngram", "num_speculative_tokens": 4} or
             {"method": "draft", "draft_model": "path", "num_speculative_tokens": 4}.
-        dtype: "float32" or "bfloat16".
+        dtype: "float32", "bfloat16", "float16" (CUDA), or "auto": bfloat16 on a CPU where
+            the native kernels run, float32 elsewhere (`loader.model_loader.resolve_dtype`).
         device: "cpu", "cuda", ... (None: CUDA when available).
         max_model_len: context limit in tokens (None: the model's).
         seed: seeds the per-request generators of requests without their own seed.
@@ -58,6 +59,7 @@ class LLM:
             speculative = SpeculativeConfig(**speculative)
         if isinstance(scheduler, dict):
             scheduler = SchedulerConfig(**scheduler)
+        dtype = resolve_dtype(dtype, device)
         self.config = EngineConfig(
             ModelConfig(model, dtype, device, max_model_len, quantization), speculative, seed,
             scheduler or SchedulerConfig())

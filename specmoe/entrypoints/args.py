@@ -27,10 +27,11 @@ def comma_list(kind: Callable = str) -> Callable[[str], list]:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="HF model directory, .gguf file or alias (default: %(default)s)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="activations and unquantised weights (default: %(default)s, exact; "
-                        "bfloat16 runs the native CPU kernels and decodes several times "
-                        "faster)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="activations and unquantised weights. auto (the default): bfloat16 "
+                        "where the native CPU kernels run (x86-64 with AVX-512; several times "
+                        "faster, output still identical with and without speculation), "
+                        "float32 elsewhere")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: auto)")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
     p.add_argument("--quantization", default=None, choices=["int8", "int4"],

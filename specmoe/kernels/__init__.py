@@ -3,10 +3,11 @@ plain-torch reference it replaces. Switch them off with SPECMOE_DISABLE_CPU_KERN
 `set_enabled(False)`."""
 
 from specmoe.kernels.gemv import (
+    REQUIRED_CPU_FLAGS,
     is_enabled,
     kernel_unavailable_reason,
     set_enabled,
     try_linear_bf16,
 )
 
-__all__ = ["is_enabled", "kernel_unavailable_reason", "set_enabled", "try_linear_bf16"]
+__all__ = ["REQUIRED_CPU_FLAGS", "is_enabled", "kernel_unavailable_reason", "set_enabled", "try_linear_bf16"]

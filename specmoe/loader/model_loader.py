@@ -9,7 +9,9 @@ from pathlib import Path
 
 import torch
 
+from specmoe import kernels
 from specmoe.config import ArchConfig, ModelConfig
+from specmoe.kernels.build import cpu_reason
 from specmoe.layers.linear import prepack_weights
 from specmoe.layers.quantization import quantize_model
 from specmoe.loader.aliases import resolve_model_path
@@ -57,9 +59,32 @@ class LoadedModel:
 
 
 def resolve_device(device: str | None) -> torch.device:
+    """`device` as a torch.device (None: CUDA when present, else the CPU).
+
+    Raises:
+        ValueError: a name torch does not know, e.g. "tpu".
+    """
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        return torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"invalid device={device!r}: use cpu, cuda or cuda:N") from exc
+
+
+def resolve_dtype(dtype: str, device: str | None) -> str:
+    """`dtype`, or for "auto" the fastest lossless choice on `device`: "bfloat16" on a CPU
+    where the native bf16 kernels run (they decode several times faster than float32, and
+    their batch-invariant sums keep greedy speculative output equal to plain decoding),
+    "float32" everywhere else (CUDA's bf16 GEMMs change their summation order with the
+    batch shape, so only float32 keeps that equality there)."""
+    if dtype != "auto":
+        return dtype
+    if resolve_device(device).type != "cpu" or not kernels.is_enabled():
+        return "float32"
+    if cpu_reason(kernels.REQUIRED_CPU_FLAGS) is not None:  # no kernel build, no warning
+        return "float32"
+    return "bfloat16" if kernels.kernel_unavailable_reason() is None else "float32"
 
 
 def load_model(config: ModelConfig) -> LoadedModel:

@@ -34,3 +34,20 @@ def test_bad_item_is_a_usage_error(argv, capsys):
         build_parser().parse_args(argv)
     assert exc.value.code == 2
     assert "invalid list" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["serve"], ["demo"]])
+def test_model_commands_default_to_the_auto_dtype(command):
+    assert build_parser().parse_args(command).dtype == "auto"
+
+
+def test_auto_dtype_is_bf16_only_where_the_native_kernels_run(monkeypatch):
+    from specmoe import kernels
+    from specmoe.loader.model_loader import resolve_dtype
+    assert resolve_dtype("float32", None) == "float32"
+    assert resolve_dtype("bfloat16", "cpu") == "bfloat16"
+    assert resolve_dtype("auto", "cuda") == "float32"
+    expected = "bfloat16" if kernels.kernel_unavailable_reason() is None else "float32"
+    assert resolve_dtype("auto", "cpu") == expected
+    monkeypatch.setattr(kernels.gemv, "_enabled", False)
+    assert resolve_dtype("auto", "cpu") == "float32"
