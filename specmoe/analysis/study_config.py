@@ -161,9 +161,10 @@ def plan_study(cfg: StudyConfig) -> StudyPlan:
     Raises:
         ValueError: an unusable device, acceptance lengths that cover no K of the grid, a bad
             trace or one too short for the largest T.
-        FileNotFoundError: a missing trace or acceptance file.
+        FileNotFoundError: a missing trace or acceptance file, model or prompt set.
     """
     device = check_device(cfg.device)
+    check_inputs(cfg)
     acceptance, source = acceptance_for(cfg)
     trace = None
     if cfg.routing_trace:
@@ -175,6 +176,23 @@ def plan_study(cfg: StudyConfig) -> StudyPlan:
         presets, note = _trace_presets(presets, trace, cfg)
         warnings += note
     return StudyPlan(presets, device, acceptance, source, trace, warnings)
+
+
+def check_inputs(cfg: StudyConfig) -> None:
+    """The real models and the prompt sets the learned-routing capture and the end-to-end
+    check will read exist.
+
+    Raises:
+        FileNotFoundError: naming the missing model (and how to install it) or prompt set.
+    """
+    from specmoe.loader.aliases import resolve_model_path
+    from specmoe.utils.data import load_prompts
+    models = [cfg.routing_model] + ([cfg.e2e_model, cfg.e2e_draft] if cfg.e2e_model else [])
+    for model in filter(None, models):
+        resolve_model_path(model)
+    if cfg.routing_model or cfg.e2e_model:
+        for dataset in ("spec_bench", "mt_bench"):
+            load_prompts(dataset, limit=1)
 
 
 def check_device(device: str | None) -> str:

@@ -24,29 +24,44 @@ def _acceptance_arg(text: str) -> dict[int, float]:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+# `--quick`: one MoE against the dense model of its total size, three batch sizes, K = 1,
+# 3, 4 (the bundled acceptance lengths cover them), half-depth presets, one repetition.
+QUICK = {"presets": ["moe-128x8", "dense-total"], "batch_sizes": [1, 4, 16],
+         "num_tokens": [1, 2, 4, 5], "reps": 1, "context_len": 128, "scale_layers": 0.5,
+         "e2e_batch_sizes": [1, 4]}
+
+
 def add_study_parser(sub) -> None:
     p = sub.add_parser("study", help="when does speculation pay on MoE vs dense: measured "
                        "verification cost, cost model, routing analysis, speedup report")
     d = StudyConfig()
     p.add_argument("--out", default="study-report",
                    help="report directory, created if missing (default: %(default)s)")
-    p.add_argument("--presets", type=comma_list(), default=",".join(d.presets),
-                   help=f"target presets, from {TARGET_PRESETS}")
-    p.add_argument("--batch-sizes", type=comma_list(int), default=d.batch_sizes,
-                   help="B values, ascending (default: 1,2,4,8,16,32,64)")
-    p.add_argument("--num-tokens", type=comma_list(int), default=d.num_tokens,
-                   help="T values (tokens per request per forward, K + 1); must include 1")
-    p.add_argument("--reps", type=int, default=d.reps,
+    p.add_argument("--quick", action="store_true",
+                   help="a first look in a few minutes: " + ", ".join(
+                       f"--{k.replace('_', '-')} {_show(v)}" for k, v in QUICK.items())
+                   + " (options given explicitly still apply)")
+    p.add_argument("--presets", type=comma_list(), default=None,
+                   help=f"target presets, from {TARGET_PRESETS} (default: all)")
+    p.add_argument("--batch-sizes", type=comma_list(int), default=None,
+                   help=f"B values, ascending (default: {_show(d.batch_sizes)})")
+    p.add_argument("--num-tokens", type=comma_list(int), default=None,
+                   help="T values (tokens per request per forward, K + 1); must include 1 "
+                        f"(default: {_show(d.num_tokens)})")
+    p.add_argument("--reps", type=int, default=None,
                    help="repetitions of every grid point; min and median are reported "
-                        "(default: %(default)s)")
-    p.add_argument("--context-len", type=int, default=d.context_len,
-                   help="tokens already in each request's KV cache")
+                        f"(default: {d.reps})")
+    p.add_argument("--context-len", type=int, default=None,
+                   help=f"tokens already in each request's KV cache (default: {d.context_len})")
     p.add_argument("--routing", choices=ROUTINGS, default=d.routing)
     p.add_argument("--overlap", type=float, default=d.overlap,
                    help="adjacent-token expert overlap of --routing correlated")
-    p.add_argument("--scale-layers", type=float, default=d.scale_layers,
-                   help="multiply every preset's depth (bigger machines)")
-    p.add_argument("--dtype", default=d.dtype, choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--scale-layers", type=float, default=None,
+                   help=f"multiply every preset's depth (bigger machines; default: "
+                        f"{d.scale_layers})")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="weights and activations; auto (default): bfloat16 where specmoe's "
+                        "native CPU kernels run, float32 elsewhere (as the engine decodes)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: CUDA if any)")
     p.add_argument("--acceptance-json", default=None,
                    help="a `specmoe bench spec` results.json for AL(K) (default: bundled "
@@ -64,25 +79,43 @@ def add_study_parser(sub) -> None:
     p.add_argument("--e2e-model", default=d.e2e_model,
                    help="real MoE target run end to end against the prediction ('none': skip)")
     p.add_argument("--e2e-draft", default=d.e2e_draft, help="its draft model")
-    p.add_argument("--e2e-batch-sizes", type=comma_list(int), default=d.e2e_batch_sizes)
+    p.add_argument("--e2e-batch-sizes", type=comma_list(int), default=None,
+                   help=f"(default: {_show(d.e2e_batch_sizes)})")
     p.add_argument("--seed", type=int, default=d.seed,
                    help="seeds weights, token ids and routing draws (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: one per core; use 1 on busy cores)")
 
 
+def _show(value) -> str:
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def _grid(args, name: str):
+    """An option as given, else its --quick value under --quick, else StudyConfig's."""
+    given = getattr(args, name)
+    if given is not None:
+        return given
+    if args.quick and name in QUICK:
+        return QUICK[name]
+    return getattr(StudyConfig(), name)
+
+
 def config_from_args(args) -> StudyConfig:
+    from specmoe.loader.model_loader import resolve_dtype
     return StudyConfig(
-        presets=args.presets,
-        batch_sizes=args.batch_sizes, num_tokens=args.num_tokens, reps=args.reps,
-        context_len=args.context_len, routing=args.routing, overlap=args.overlap,
-        scale_layers=args.scale_layers, dtype=args.dtype, device=args.device,
+        presets=_grid(args, "presets"), batch_sizes=_grid(args, "batch_sizes"),
+        num_tokens=_grid(args, "num_tokens"), reps=_grid(args, "reps"),
+        context_len=_grid(args, "context_len"), routing=args.routing, overlap=args.overlap,
+        scale_layers=_grid(args, "scale_layers"),
+        dtype=resolve_dtype(args.dtype, args.device), device=args.device,
         acceptance_path=args.acceptance_json, acceptance_group=args.acceptance_group,
         acceptance=args.acceptance, draft_cost_ratio=args.draft_cost_ratio,
         routing_model=None if args.routing_model in (None, "none") else args.routing_model,
         routing_trace=args.routing_trace,
         e2e_model=None if args.e2e_model in (None, "none") else args.e2e_model,
-        e2e_draft=args.e2e_draft, e2e_batch_sizes=args.e2e_batch_sizes, seed=args.seed)
+        e2e_draft=args.e2e_draft, e2e_batch_sizes=_grid(args, "e2e_batch_sizes"),
+        seed=args.seed)
 
 
 def cmd_study(args) -> int:

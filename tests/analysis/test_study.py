@@ -8,7 +8,7 @@ import json
 import pytest
 
 from specmoe.analysis.study import StudyConfig
-from specmoe.entrypoints.cli import main
+from specmoe.entrypoints.cli import build_parser, main
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -143,3 +143,33 @@ def test_bad_out_paths_and_acceptance_text(tmp_path, capsys):
         with pytest.raises(SystemExit):
             main(["study", "--acceptance", bad])
         assert "acceptance length" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("models", [["--routing-model", "/nonexistent/moe"],
+                                    ["--e2e-model", "/nonexistent/moe"],
+                                    ["--e2e-draft", "/nonexistent/moe"]])
+def test_missing_models_fail_before_measuring(models, capsys, monkeypatch):
+    from specmoe.analysis.cost_model import MachineProfile
+    monkeypatch.setattr(MachineProfile, "measure", lambda *a, **k: pytest.fail("measured"))
+    assert main(["study", *models]) == 2
+    assert "/nonexistent/moe" in capsys.readouterr().err
+
+
+def test_missing_prompt_data_fails_before_measuring(tmp_path, capsys, monkeypatch):
+    from specmoe.analysis.cost_model import MachineProfile
+    monkeypatch.setattr(MachineProfile, "measure", lambda *a, **k: pytest.fail("measured"))
+    monkeypatch.setenv("SPECMOE_DATA_DIR", str(tmp_path))
+    assert main(["study"]) == 2
+    assert str(tmp_path) in capsys.readouterr().err
+
+
+def test_quick_fills_only_what_is_not_given():
+    from specmoe.entrypoints.study_cli import QUICK, config_from_args
+    parse = lambda *a: config_from_args(build_parser().parse_args(["study", *a]))  # noqa: E731
+    quick = parse("--quick")
+    assert {k: getattr(quick, k) for k in QUICK} == QUICK
+    mixed = parse("--quick", "--reps", "2", "--batch-sizes", "1,2")
+    assert (mixed.reps, mixed.batch_sizes, mixed.presets) == (2, [1, 2], QUICK["presets"])
+    full = parse()
+    assert (full.batch_sizes, full.reps) == (StudyConfig().batch_sizes, StudyConfig().reps)
+    assert full.dtype in ("bfloat16", "float32")  # auto, resolved for this machine
