@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from kernel_checks import require_kernel
 import torch
 
 
@@ -36,11 +37,11 @@ def one_torch_thread():
 @pytest.fixture
 def enabled(request):
     """The test module's native kernel switched on for one test, skipped where it cannot be
-    built. The module names its kernel by KERNEL_UNAVAILABLE_REASON: a function returning
+    built. It fails where the machine builds kernels
+    (tests/kernel_checks.py). The module names its kernel by KERNEL_UNAVAILABLE_REASON: a function returning
     None once the kernel is loaded, else why not (building it if needed)."""
-    reason = request.module.KERNEL_UNAVAILABLE_REASON()
-    if reason is not None:
-        pytest.skip(f"native kernel unavailable: {reason}")
+    require_kernel(f"{request.module.__name__}'s kernel",
+                   request.module.KERNEL_UNAVAILABLE_REASON())
     from specmoe import kernels
     was = kernels.is_enabled()
     kernels.set_enabled(True)

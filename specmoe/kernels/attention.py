@@ -45,6 +45,10 @@ def available() -> bool:
     return _lazy.get() is not None
 
 
+# None when the kernel is built and loaded (building it now if needed), else why not.
+kernel_unavailable_reason = _lazy.unavailable_reason
+
+
 def try_attention_bf16(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                        seqs, scale: float, sliding_window: int | None,
                        out: torch.Tensor) -> bool:

@@ -7,6 +7,7 @@ import dataclasses
 import statistics
 
 import pytest
+from kernel_checks import require_kernel
 import torch
 
 from specmoe.bench import roofline
@@ -134,7 +135,7 @@ def test_report_states_the_bound_only_with_floors():
 
 def test_probes_take_the_best_rate(monkeypatch):
     rate, source = roofline.measure_peak_flops(torch.bfloat16)
-    assert rate > 1e9 and source
+    assert rate > 1e8 and source  # bf16 matmul without native bf16 units is slow
     monkeypatch.setattr(peak, "vector_peak_flops", lambda **kw: 1e15)
     assert roofline.measure_peak_flops(torch.float32)[0] == 1e15
 
@@ -146,8 +147,7 @@ def test_peak_falls_back_to_matmuls(monkeypatch):
 
 
 def test_vector_peak_kernel():
-    if peak._lazy.get() is None:
-        pytest.skip(f"peak kernel unavailable: {peak._lazy.unavailable}")
+    require_kernel("peak kernel", peak._lazy.unavailable_reason())
     assert peak.vector_peak_flops(bf16=True, num_threads=1, iters=100_000, repeats=2) > 1e9
     assert peak.vector_peak_flops(bf16=False, num_threads=1, iters=100_000, repeats=2) > 1e9
     assert peak.vector_peak_flops(bf16=True, iters=0) is None

@@ -11,6 +11,7 @@ hit. (fp32 is exact either way, see test_smollm2_speculative.py.)
 from __future__ import annotations
 
 import pytest
+from kernel_checks import require_kernel
 
 from specmoe import LLM, SamplingParams
 from specmoe.kernels import attention, gemv
@@ -22,8 +23,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def plain(smollm2) -> LLM:
-    if gemv.kernel_unavailable_reason() is not None or not attention.available():
-        pytest.skip("native CPU kernels unavailable: bf16 outputs are not batch-invariant")
+    # Without the kernels bf16 outputs are not batch-invariant.
+    require_kernel("bf16 linear kernel", gemv.kernel_unavailable_reason())
+    require_kernel("attention kernel", attention.kernel_unavailable_reason())
     return LLM(smollm2, dtype="bfloat16")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 
 import pytest
+from kernel_checks import require_kernel
 import torch
 import transformers
 
@@ -38,7 +39,7 @@ def _load_fma_variant(load_kernel):
     try:
         return load_kernel(("-mno-avx512bf16",))
     except KernelBuildError as exc:
-        pytest.skip(f"FMA variant not buildable: {exc}")
+        require_kernel("FMA variant", str(exc))
 
 
 @pytest.fixture

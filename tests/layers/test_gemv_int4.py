@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+from kernel_checks import require_kernel
 import torch
 
 from specmoe import kernels
@@ -154,9 +155,7 @@ def test_fallback_for_unsupported_inputs(enabled):
 def bf16_gemm():
     """The bf16 GEMM that more than MAX_SPLIT_ROWS rows run on; skipped where it cannot be
     built."""
-    reason = kernels.kernel_unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"bf16 kernel unavailable: {reason}")
+    require_kernel("bf16 linear kernel", kernels.kernel_unavailable_reason())
 
 
 @pytest.fixture

@@ -8,9 +8,11 @@ import gc
 import io
 
 import pytest
+from kernel_checks import require_kernel
 import torch
 from torch import nn
 
+from specmoe.kernels import gemv_int4
 from specmoe.layers.quantization import Int4Linear, quantize_int4
 from specmoe.utils import hugepages
 
@@ -126,7 +128,7 @@ def test_rehome_moves_the_int4_kernel_copy_and_keeps_its_output(small_regions):
     q, sz = quantize_int4(torch.randn(64, 128))
     layer = Int4Linear(q, sz, 32, torch.randn(64))
     if layer.cpu_kernel is None:
-        pytest.skip("int4 kernel unavailable on this CPU")
+        require_kernel("int4 kernel", gemv_int4.kernel_unavailable_reason())
     x = torch.randn(3, 128).bfloat16()
     want = layer(x)
     old = [t.data_ptr() for t in layer.extra_weights()]

@@ -4,10 +4,11 @@ computed sequence by sequence, through shuffled block tables."""
 from __future__ import annotations
 
 import pytest
+from kernel_checks import require_kernel
 import torch
 import torch.nn.functional as F
 
-from specmoe.kernels.attention import available as attention_kernel_available
+from specmoe.kernels.attention import kernel_unavailable_reason as attention_unavailable
 from specmoe.layers.paged_attention import (AttentionMetadata, SequenceSlice,
                                             attend_decode_reference, paged_attention)
 
@@ -91,8 +92,7 @@ def test_native_decode_kernel_matches_torch_path(num_heads, num_kv_heads, head_d
     whose chunks each lie in one block) against the torch path and per-sequence fp32
     attention, sliding window included; its error (bf16 softmax weights in P V) within 1.5x
     the torch path's (measured 1.2-1.35x)."""
-    if not attention_kernel_available():
-        pytest.skip("native attention kernel unavailable on this machine")
+    require_kernel("attention kernel", attention_unavailable())
     shapes = SHAPES + [(130, 8), (31, 16), (15, 1)]
     seqs, q, cache, hist = _setup(num_heads, num_kv_heads, torch.bfloat16, 3, head_dim, shapes,
                                   block_size)
@@ -121,8 +121,7 @@ def test_native_kernel_attends_prefill_and_decode_rows_in_one_call(num_heads, nu
     """A forward mixing a fresh prefill, a chunked prefill continuing a cached prefix,
     verification rows and a decode row: the kernel writes every row, and they agree with
     the torch path (fused SDPA for the prefills) and with per-sequence fp32 attention."""
-    if not attention_kernel_available():
-        pytest.skip("native attention kernel unavailable on this machine")
+    require_kernel("attention kernel", attention_unavailable())
     shapes = [(0, 70), (12, 3), (0, 1), (33, 50), (90, 1)]
     seqs, q, cache, hist = _setup(num_heads, num_kv_heads, torch.bfloat16, 4, head_dim, shapes)
     scale = head_dim ** -0.5
@@ -148,8 +147,7 @@ def test_native_kernel_rows_are_batch_invariant_bit_for_bit(window, num_heads, n
     of a forward as alone (decode at its own position): verification of K + 1 rows gives a
     token what plain decoding gives it. Compared as int16 bit patterns (torch.equal would
     take -0 for +0)."""
-    if not attention_kernel_available():
-        pytest.skip("native attention kernel unavailable on this machine")
+    require_kernel("attention kernel", attention_unavailable())
     # (0, 100): several work units per KV head (96 rows of G = 1, 32 of G = 3, 16 of G = 6,
     # one row of G = 130)
     shapes = [(0, 20), (117, 5), (140, 1), (91, 16), (3, 9), (200, 16), (0, 100)]

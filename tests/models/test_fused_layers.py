@@ -12,11 +12,12 @@ import copy
 import weakref
 
 import pytest
+from kernel_checks import require_kernel
 import torch
 
 from specmoe import kernels
 from specmoe.config import ArchConfig, MoEConfig
-from specmoe.kernels import decoder
+from specmoe.kernels import decoder, gemv_int4
 from specmoe.layers.linear import prepack_weights
 from specmoe.layers.paged_attention import AttentionMetadata, SequenceSlice
 from specmoe.layers.quantization import quantize_model
@@ -131,7 +132,8 @@ def test_fused_layers_give_the_module_bits(enabled, monkeypatch, name, release):
 
 def test_int4_projections_give_the_module_bits_up_to_16_rows(enabled, monkeypatch):
     if not decoder.int4_available():
-        pytest.skip("int4 kernel unavailable")
+        require_kernel("int4 kernel for the decoder driver", gemv_int4.kernel_unavailable_reason()
+                       or "the decoder driver could not load it")
     arch = ARCHS["qwen2_bias"]
     model = _model(arch, quantization="int4")
     with _counting(monkeypatch) as calls:
