@@ -31,9 +31,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--routing-trace", default=None, metavar="PATH",
                      help="record the MoE target's routing to PATH (JSONL, docs/routing-trace.md)")
-    demo = sub.add_parser("demo", help="speculative vs plain decoding on real prompts")
+    demo = sub.add_parser("demo", help="speculative vs plain decoding on real prompts, on a "
+                                         "dense and a MoE target")
     add_model_args(demo)
     add_spec_args(demo, default_draft="ngram")
+    demo.add_argument("--moe-model", default="tiny-moe",
+                      help="MoE target shown beside --model, or 'none' (default: %(default)s)")
+    demo.add_argument("--moe-draft", default="tiny-moe-draft",
+                      help="draft model of --moe-model (default: %(default)s)")
     demo.add_argument("--num-prompts", type=int, default=5)
     demo.add_argument("--max-tokens", type=int, default=128)
     add_serve_parser(sub)
@@ -273,8 +278,9 @@ def add_models_parser(sub) -> None:
 
 def cmd_models(args) -> int:
     from specmoe.loader import model_store
+    from specmoe.loader.aliases import list_all_models
     if args.models_command == "list":
-        print(format_model_rows(model_store.list_models()))
+        print(format_model_rows(list_all_models()))
         for group, aliases in model_store.GROUPS.items():
             print(f"group {group}: {' + '.join(aliases)}")
         return 0

