@@ -1,6 +1,7 @@
 """The decoder-only transformer shared by every supported family: pre-norm blocks of
 attention and a dense SwiGLU MLP or a sparse MoE block. Families differ only in how their
-config is parsed and how checkpoint names map onto these parameters."""
+config is parsed and how checkpoint names map onto these parameters. The block itself is
+`decoder_layer.DecoderLayer` (also importable from here)."""
 
 from __future__ import annotations
 
@@ -8,34 +9,12 @@ import torch
 from torch import nn
 
 from specmoe.config import ArchConfig
-from specmoe.layers.attention import Attention
 from specmoe.layers.paged_attention import AttentionMetadata
 from specmoe.layers.embed_head import LMHead, VocabEmbedding
-from specmoe.layers.mlp import GatedMLP
-from specmoe.layers.moe.block import SparseMoEBlock
 from specmoe.layers.norm import RMSNorm
 from specmoe.layers.rotary import RotaryEmbedding
+from specmoe.models.decoder_layer import DecoderLayer
 from specmoe.models.fused_layers import FusedLayers
-
-
-class DecoderLayer(nn.Module):
-    """x + attn(norm(x)), then h + mlp(norm(h))."""
-
-    def __init__(self, config: ArchConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
-        super().__init__()
-        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(config, rotary)
-        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        if config.moe is not None and layer_idx in config.moe.moe_layers:
-            self.mlp = SparseMoEBlock(config.hidden_size, config.moe, layer_idx)
-        else:
-            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
-                ) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), positions, kv_cache, meta)
-        return x + self.mlp(self.post_attn_norm(x))
 
 
 class DecoderModel(nn.Module):

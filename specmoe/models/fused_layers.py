@@ -37,6 +37,7 @@ from specmoe.layers.norm import RMSNorm
 from specmoe.layers.paged_attention import AttentionMetadata
 from specmoe.layers.quantization import Int4Linear
 from specmoe.layers.rotary import RotaryEmbedding
+from specmoe.models.decoder_layer import DecoderLayer
 
 BF16 = torch.bfloat16
 PER_LAYER = 12  # sources per layer: 2 norms, 4 x (weights, bias), 2 caches
@@ -94,7 +95,6 @@ def _hooked(hook_dicts: list) -> bool:
 
 def _plain_layer(layer, rotary, eps: float, scale: float) -> bool:
     """A dense pre-norm block the driver computes as the modules do."""
-    from specmoe.models.decoder import DecoderLayer  # (decoder imports this module)
     attn = getattr(layer, "attn", None)
     return (type(layer) is DecoderLayer and type(attn) is Attention
             and type(layer.mlp) is GatedMLP and type(layer.input_norm) is RMSNorm
