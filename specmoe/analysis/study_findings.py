@@ -1,10 +1,30 @@
-"""The findings of `specmoe study`, in plain words, computed from its measured figures."""
+"""The findings of `specmoe study`, in plain words, computed from its measured figures, and
+the figures they compare (`finding_tokens`, `verification_ratio`), which report.md's tables
+use too: `study_report` imports this module, never the reverse."""
 
 from __future__ import annotations
 
-from specmoe.analysis.study_report import _ratio, finding_tokens
-
 NON_MONOTONIC_MARGIN = 0.03  # a rise then a fall of at least 3% counts as non-monotonic
+FINDING_K = 4  # the K whose verification ratio Tt(B, K+1)/Tt(B, 1) the findings compare
+
+
+def finding_tokens(presets: dict[str, dict]) -> int:
+    """The T the findings compare: the largest measured T <= FINDING_K + 1 above 1, else the
+    smallest measured T above 1."""
+    ts = sorted({p["T"] for res in presets.values() for p in res["points"] if p["T"] > 1})
+    below = [t for t in ts if t <= FINDING_K + 1]
+    return below[-1] if below else ts[0]
+
+
+def verification_ratio(res: dict, batch_size: int, num_tokens: int,
+                       key: str = "min_s") -> float | None:
+    """Tt(B, T) / Tt(B, 1) of one preset's measured points (`res["points"]`, dicts with "B",
+    "T" and `key`, seconds): the cost of verifying T tokens per request relative to a
+    one-token step at batch size B, or None when (B, T) or (B, 1) was not measured."""
+    pts = {(p["B"], p["T"]): p for p in res["points"]}
+    if (batch_size, num_tokens) not in pts or (batch_size, 1) not in pts:
+        return None
+    return pts[batch_size, num_tokens][key] / pts[batch_size, 1][key]
 
 
 def findings(r: dict) -> list[str]:
@@ -34,8 +54,8 @@ def _flatness(presets: dict, moe: list[str], dense: list[str]) -> list[str]:
     t = finding_tokens(presets)
     out = []
     for b in sorted({batch_sizes[0], batch_sizes[len(batch_sizes) // 2], batch_sizes[-1]}):
-        parts = [f"{n} {_ratio(presets[n], b, t):.2f}x" for n in moe + dense
-                 if _ratio(presets[n], b, t) is not None]
+        parts = [f"{n} {verification_ratio(presets[n], b, t):.2f}x" for n in moe + dense
+                 if verification_ratio(presets[n], b, t) is not None]
         out.append(f"- At B={b}, verifying K={t - 1} drafts (T={t}) costs "
                    + ", ".join(parts) + " of a one-token step.")
     if moe and dense and len(batch_sizes) > 1:
@@ -47,8 +67,9 @@ def _flatness(presets: dict, moe: list[str], dense: list[str]) -> list[str]:
 def _rise_sentence(presets: dict, names: list[str], batch_sizes: list[int], t: int) -> str:
     """How much the verification ratio grows from the smallest to the largest B."""
     lo, hi = batch_sizes[0], batch_sizes[-1]
-    parts = [f"{n} {_ratio(presets[n], hi, t) / _ratio(presets[n], lo, t) - 1:+.0%}"
-             for n in names]
+    rise = {n: verification_ratio(presets[n], hi, t) / verification_ratio(presets[n], lo, t)
+            for n in names}
+    parts = [f"{n} {rise[n] - 1:+.0%}" for n in names]
     return (f"From B={lo} to B={hi} the ratio changes by " + ", ".join(parts)
             + ": the smaller the change in size, the flatter the curve (the ratios at the "
             "batch sizes between are in the table below).")
@@ -59,7 +80,8 @@ def _cheaper_sentence(presets: dict, moe: list[str], dense: str, batch_sizes: li
     """At which B every MoE preset verifies more cheaply (relative to its own one-token
     step) than one dense preset."""
     below = [b for b in batch_sizes
-             if max(_ratio(presets[n], b, t) for n in moe) < _ratio(presets[dense], b, t)]
+             if max(verification_ratio(presets[n], b, t) for n in moe)
+             < verification_ratio(presets[dense], b, t)]
     if not below:
         return (f"At no batch size does every MoE preset verify relatively more cheaply than "
                 f"{dense}.")

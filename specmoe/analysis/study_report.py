@@ -6,15 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-FINDING_K = 4  # the K whose verification ratio Tt(B, K+1)/Tt(B, 1) the findings compare
-
-
-def finding_tokens(presets: dict[str, dict]) -> int:
-    """The T the findings compare: the largest measured T <= FINDING_K + 1 above 1, else the
-    smallest measured T above 1."""
-    ts = sorted({p["T"] for res in presets.values() for p in res["points"] if p["T"] > 1})
-    below = [t for t in ts if t <= FINDING_K + 1]
-    return below[-1] if below else ts[0]
+from specmoe.analysis.study_findings import finding_tokens, findings, verification_ratio
 
 
 def write_outputs(results: dict, out: Path, routing_analysis=None) -> None:
@@ -42,20 +34,13 @@ def _jsonable(x):
     return float(x)
 
 
-def _ratio(res: dict, batch_size: int, num_tokens: int, key: str = "min_s") -> float | None:
-    pts = {(p["B"], p["T"]): p for p in res["points"]}
-    if (batch_size, num_tokens) not in pts or (batch_size, 1) not in pts:
-        return None
-    return pts[batch_size, num_tokens][key] / pts[batch_size, 1][key]
-
-
 def verification_ratio_table(presets: dict[str, dict], num_tokens: int) -> list[str]:
     """Markdown rows: Tt(B, T)/Tt(B, 1) per preset (columns) and B (rows)."""
     names = list(presets)
     batch_sizes = sorted({p["B"] for res in presets.values() for p in res["points"]})
     lines = ["| B | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for b in batch_sizes:
-        cells = [_ratio(presets[n], b, num_tokens) for n in names]
+        cells = [verification_ratio(presets[n], b, num_tokens) for n in names]
         lines.append(f"| {b} | " + " | ".join("-" if c is None else f"{c:.2f}"
                                                for c in cells) + " |")
     return lines
@@ -128,7 +113,6 @@ def speedup_lines(synthesis: dict[str, dict]) -> list[str]:
 
 def render_report(r: dict) -> str:
     """The whole report.md."""
-    from specmoe.analysis.study_findings import findings
     presets, llc = r["presets"], r["machine"].get("last_level_cache_bytes")
     m = r["machine"]
     out = ["# specmoe study: speculative decoding on MoE vs dense", "",
