@@ -8,7 +8,7 @@ ids per token. Three sources:
   random router gives, and the "uniform" independence baseline);
 - `CorrelatedRouting`: a Markov chain per sequence whose adjacent tokens share, in
   expectation, a chosen fraction of their experts (for example 0.381, the adjacent-token
-  overlap measured for k=8, N=128 in the source analysis summarised in DESIGN.md);
+  overlap measured for k=8, N=128 in the source analysis summarised in docs/architecture.md);
 - `TraceRouting`: windows of consecutive tokens replayed from a captured routing trace.
 
 `expected_unique_experts` gives the mean number of distinct experts a step of B sequences x T

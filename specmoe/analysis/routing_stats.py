@@ -4,7 +4,7 @@ window of consecutive tokens against two independence baselines, and expert load
 Why these figures: a verification window of W = K + 1 consecutive tokens reads the weights of
 the *union* of the experts its tokens route to, so its cost follows the unique experts per
 window, which adjacent-token overlap makes smaller than independence predicts (the analysis
-summarised in DESIGN.md: overlap 0.381 for k=8, N=128; 20.36 unique experts for 4 tokens;
+summarised in docs/architecture.md: overlap 0.381 for k=8, N=128; 20.36 unique experts for 4 tokens;
 MoESD, Huang et al. 2025, arXiv 2505.19645, models activated experts under uniform routing).
 
 Windows and pairs are taken within runs of consecutive positions of one sequence, over the

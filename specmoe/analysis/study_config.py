@@ -15,7 +15,8 @@ from specmoe.analysis.speedup import load_acceptance_lengths
 
 ROUTINGS = ("correlated", "uniform", "router", "trace")
 DTYPES = ("bfloat16", "float16", "float32")
-# Adjacent-token expert overlap measured for k=8, N=128 in the analysis DESIGN.md summarises.
+# Adjacent-token expert overlap measured for k=8, N=128 in the analysis that
+# docs/architecture.md summarises.
 PUBLISHED_OVERLAP = 0.381
 
 

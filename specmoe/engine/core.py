@@ -1,11 +1,11 @@
 """The engine core: continuous batching with batched speculative decoding, one `step()` at a time.
 
-One step (DESIGN.md, "One speculative step"): the scheduler schedules every running request's
-gap between computed and verified tokens plus its drafts; the target runs one forward over the
-whole batch through the paged KV cache; each request that reached its last token is verified
-by rejection sampling (its accepted drafts plus one recovered or bonus token are appended,
-earliest stop first); the scheduler rolls each request's computed tokens back past its rejected
-drafts; the proposer drafts the next K for every request still running, in one batch.
+One step (docs/architecture.md, "One speculative step"): the scheduler schedules every running
+request's gap between computed and verified tokens plus its drafts; the target runs one forward
+over the whole batch through the paged KV cache; each request that reached its last token is
+verified by rejection sampling (its accepted drafts plus one recovered or bonus token are
+appended, earliest stop first); the scheduler rolls each request's computed tokens back past its
+rejected drafts; the proposer drafts the next K for every request still running, in one batch.
 
 K = 0 (no proposer, or a request that turns speculation off) takes the same path with no
 drafts, so outputs with and without speculation come from the same sampling code.

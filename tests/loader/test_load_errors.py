@@ -1,5 +1,5 @@
 """Errors a user can cause when loading a model: each names the bad value and, where there is
-a fixed set, what would be accepted (DESIGN.md, style rule 10)."""
+a fixed set, what would be accepted (docs/architecture.md, style rule 10)."""
 
 from __future__ import annotations
 
