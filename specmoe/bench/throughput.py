@@ -285,7 +285,9 @@ def run_throughput_bench(cfg: ThroughputBenchConfig) -> dict:
     from specmoe.bench.roofline import PROBE_BYTES, measure_peak_flops, measure_read_bandwidth
     from specmoe.kernels import gemv_int4
     if cfg.num_threads is not None:
+        from specmoe.utils.threads import pin_thread_count
         torch.set_num_threads(cfg.num_threads)
+        pin_thread_count()
     t0 = time.perf_counter()
     env = {"torch_num_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
            "load_average_start": os.getloadavg()[0], "torch_version": torch.__version__,

@@ -26,6 +26,7 @@ from specmoe.outputs import TokenLogprob
 from specmoe.request import Request
 from specmoe.sample.ops import compute_logprobs
 from specmoe.spec_decode.proposer import ProposeRequest
+from specmoe.utils.threads import make_thread_governor
 from specmoe.worker.model_runner import ModelRunner, SequenceInput
 
 
@@ -74,6 +75,9 @@ class EngineCore:
         self.kv_cache = target.new_paged_cache(num_kv_blocks, scheduler_config.block_size)
         self.scheduler = Scheduler(scheduler_config, num_kv_blocks, target.max_model_len)
         self.stats = EngineStats()
+        # Fewer threads while other processes hold cores (specmoe/utils/threads.py).
+        self.thread_governor = make_thread_governor(torch.set_num_threads,
+                                                    torch.get_num_threads())
         self._generators: dict[str, torch.Generator] = {}
         self._draft_probs: dict[str, torch.Tensor | None] = {}
         self.step_observer = NullStepObserver()
@@ -111,6 +115,7 @@ class EngineCore:
             RuntimeError: requests are waiting but none can be scheduled (cannot happen with
                 the admission checks of `Scheduler.add_request`; guards against a hang).
         """
+        self.thread_governor.update()
         out = self.scheduler.schedule()
         for request_id in out.preempted_request_ids:
             self._drop_drafts(request_id)

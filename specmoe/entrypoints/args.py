@@ -37,9 +37,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="weight-only quantisation of the target's dense projections")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads (default: torch's, one per core; on cores "
-                        "busy with other jobs, 1 avoids spin-waiting threads that can slow "
-                        "decoding by orders of magnitude)")
+                   help="torch intra-op threads, fixed (default: one per core, fewer while "
+                        "other processes keep cores busy)")
 
 
 def apply_threads(args) -> None:
@@ -53,7 +52,10 @@ def apply_threads(args) -> None:
     if args.threads < 1:
         raise ValueError(f"invalid --threads={args.threads}: must be >= 1")
     import torch
+
+    from specmoe.utils.threads import pin_thread_count
     torch.set_num_threads(args.threads)
+    pin_thread_count()  # the engine no longer adapts it to other processes' load
 
 
 def add_spec_args(p: argparse.ArgumentParser, default_draft: str | None = None) -> None:
