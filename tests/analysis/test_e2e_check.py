@@ -8,7 +8,7 @@ import pytest
 from specmoe.analysis.e2e_check import E2EConfig, run_e2e_check
 from specmoe.analysis.speedup import speedup
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]
 
 
 def test_e2e_check_on_the_tiny_moe_pair():

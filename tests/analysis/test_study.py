@@ -25,6 +25,7 @@ def report(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_study_writes_every_output(report):
     for name in ("report.md", "results.json", "tt_ratio_vs_T.png", "speedup_vs_B.png",
                  "cost_model_fit.png", "unique_experts_per_step.png"):
@@ -34,6 +35,7 @@ def test_study_writes_every_output(report):
     assert "moe-8x2" in text and "dense-active" in text
 
 
+@pytest.mark.slow
 def test_study_results_are_consistent(report):
     r = json.loads((report / "results.json").read_text())
     moe = r["presets"]["moe-8x2"]
@@ -81,6 +83,7 @@ def _trace_file(tmp_path, num_experts=8, top_k=2, num_layers=2):
     return write_trace(trace, tmp_path / "trace.jsonl")
 
 
+@pytest.mark.slow
 def test_study_replays_and_analyses_a_trace(tmp_path):
     path = _trace_file(tmp_path)
     out = tmp_path / "report"
@@ -98,6 +101,7 @@ def test_study_replays_and_analyses_a_trace(tmp_path):
     assert (out / "overlap_vs_distance.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_a_trace_of_another_shape_gets_a_preset_of_its_shape(tmp_path):
     path = _trace_file(tmp_path, num_experts=16, top_k=4)
     out = tmp_path / "r"

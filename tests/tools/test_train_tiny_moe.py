@@ -47,6 +47,7 @@ def test_tokenizer_is_byte_level_with_special_tokens(corpus_dir: Path):
     assert stream.dtype == torch.long and (stream == 0).sum() == 2  # one EOT per text
 
 
+@pytest.mark.slow
 def test_smoke_run_loss_goes_down_and_loads(corpus_dir: Path, tmp_path: Path):
     num_threads = torch.get_num_threads()
     torch.set_num_threads(1)
