@@ -22,7 +22,8 @@ def test_packaged_licenses_ship_beside_the_data():
 
 
 def test_parent_folders_are_not_searched(monkeypatch, tmp_path):
-    """A `shared/data` above the working directory is ignored: only the package copy is read."""
+    """A prompt folder in a parent of the working directory is ignored: only the package copy
+    is read."""
     fake = tmp_path / "shared" / "data"
     fake.mkdir(parents=True)
     (fake / "spec_bench_questions.jsonl").write_text(
