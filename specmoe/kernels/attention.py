@@ -4,9 +4,8 @@ Decode, verification and prefill rows alike: the kernel reads each key/value row
 sequence once per block of query vectors, from the cache, through the block tables, with an
 online softmax (FlashAttention's chunked form) and bf16 softmax weights in the P V product.
 The plain-torch path (`specmoe.layers.paged_attention`: padded float32 matmuls for
-few-query sequences, fused SDPA per prefill) is its fallback and reference; on 2 Zen 5
-cores the kernel is ~3.3-4.4x SDPA on prefills of 64-769 tokens and several times the padded
-decode matmuls.
+few-query sequences, fused SDPA per prefill) is its fallback and reference; the kernel runs
+several times faster than either.
 `try_attention_bf16` returns False for anything it does not take, and the caller runs the
 torch path.
 """

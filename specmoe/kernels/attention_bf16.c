@@ -26,9 +26,7 @@
  * that overflowed would anyway. Units run longest first (dynamic OpenMP schedule), so the
  * threads finish together.
  *
- * Measured on 2 Zen 5 cores against the previous form of this kernel (horizontal sums per
- * score, fp32 P V): prefill of 660-769-token prompts 1.75x, verification of 5 rows x 16
- * sequences 1.3x, decode of 16 sequences 1.2x from cache and about even from memory.
+ * The measurements behind these choices: docs/results/2026-12-02-code-comment-history/.
  *
  * The plain-torch reference is the torch path of specmoe/layers/paged_attention.py
  * (`_attend_decode`, `attend_decode_reference`, `_attend_prefill`). Built by
@@ -317,14 +315,11 @@ ALWAYS_INLINE void unit_impl(Query *qs, Chunk *ch, const uint16_t *q, const uint
         const int n = (int)(end - p0 < CHUNK ? end - p0 : CHUNK);
         const uint16_t **kp = rows[r], **vp = rows[r] + CHUNK;
         /* the next chunk's rows (scattered over the cache: one head of each slot, slots in
-         * table order) are fetched while this one computes. Measured from memory, against
-         * one chunk ahead alone: L1 two ahead gave decode of 16 SmolLM2-135M sequences 1.17x
-         * on Zen 5 (prefill chunks lost 9% with it, so they keep to one ahead); adding L2
-         * four ahead and the first chunks gave 1.4-1.9x on Zen 4 (EPYC 9004: decode of 16
-         * sequences 7.5 -> 4.3 ms per 30 layers, 5-row verifications 1.4x), where six or
-         * eight ahead lost 10%. Asking
-         * for each chunk twice beat a ring of rows prefetched once (1.03x on Zen 5), as if
-         * requests were dropped. */
+         * table order) are fetched while this one computes. Prefill chunks, much work per
+         * chunk, keep to one ahead (prefetching further slows them); with `far` the extra
+         * distances pay off, and going further than FAR_L2_CHUNKS ahead does not. Each
+         * chunk is asked for at every distance rather than once from a ring of prefetched
+         * rows, which does worse, as if requests were dropped. */
         if (p0 + CHUNK < end) prefetch_rows(rows[r ^ 1], k_cache, v_cache, s, table, p0 + CHUNK, end, kvh, hd, 0);
         if (far) {
             prefetch_chunk(k_cache, v_cache, s, table, p0 + 2 * CHUNK, end, kvh, hd, 0);
@@ -367,10 +362,8 @@ static int by_cost_desc(const void *a, const void *b) {
 
 /* Query vectors per work unit: whole rows (G vectors each), so a row's heads share one pass
  * over the keys. Each chunk of keys is transposed once per unit (`load_chunk`) and each
- * unit's diagonal chunks are partly masked, so larger units waste less; against the
- * 16 vectors of earlier builds, prefill of a 769-token prompt ran 1.14x (SmolLM2 shapes,
- * G = 3: 32 rows) to 1.23x (Qwen2.5-1.5B, G = 6: 16 rows) and 5-row verification of 16
- * sequences 1.01-1.3x (once per KV head instead of twice for G >= 4) on Zen 4; decode even. */
+ * unit's diagonal chunks are partly masked, so larger units waste less, and a 5-row
+ * verification reads each KV head's keys in one unit. */
 static int64_t vector_block(int64_t G) {
     int64_t rows = (MIN_VECTOR_BLOCK + G - 1) / G;
     if (rows * G > MAX_VECTOR_BLOCK) rows = MAX_VECTOR_BLOCK / G > 0 ? MAX_VECTOR_BLOCK / G : 1;

@@ -26,16 +26,12 @@
  * speculative verification of several requests, a chunked prefill or the tail of a prompt
  * after a prefix-cache hit. Greedy speculative decoding in bf16 needs this to be lossless
  * (the attention kernel is invariant in the same way); the tests check it bit for bit.
- * Unlike the per-row dot products this kernel replaced (16 lanes along K, then a
- * horizontal sum), no output needs a horizontal sum, and each output's chain of dependent
- * adds is shared out over 64 outputs per j, so even one row runs 4 independent chains.
+ * Unlike per-row dot products (16 lanes along K, then a horizontal sum), no output needs
+ * a horizontal sum, and each output's chain of dependent adds is shared out over 64 outputs
+ * per j, so even one row runs 4 independent chains.
  *
- * Measured on 2 Zen 5 cores against that previous form
- * (docs/results/2026-11-30-packed-panels/):
- * one row at the bandwidth probe's rate in both memory phases (~50 and ~80 GB/s; the
- * previous form reached ~70 of ~80), 5 rows as fast as one, 9-16 rows 1.1-1.2x faster
- * (700-760 GF/s), blocks of 96 rows 1.1-1.5x (900-1000 GF/s, ~90% of the vdpbf16ps peak;
- * oneDNN's F.linear ~990), 7-8 rows of 576 columns 0.91-0.95x.
+ * The measurements behind these choices: docs/results/2026-11-30-packed-panels/ and
+ * docs/results/2026-12-02-code-comment-history/.
  *
  * Built by specmoe/kernels/build.py with gcc -O3 -march=native -fopenmp.
  */
@@ -54,10 +50,8 @@
 #define T_BLOCK 96    /* input rows per pass over a thread's panels */
 #define J_BLOCK 32    /* pairs per slice of a panel shared by several groups (8 KB) */
 #define PREFETCH_PAIRS 16 /* how far ahead (pair indices, 4 KB) a pass prefetches its panel;
-                             prefetches go to L2 (_MM_HINT_T1): into L1 they left 8 rows
-                             1.21x and 16 rows 1.09x slower on Zen 4 (EPYC 9004), weights
-                             in huge pages, 1-4 and 96 rows about even (32 or 64 pairs
-                             ahead: the same) */
+                             prefetches go to L2 (_MM_HINT_T1): into L1 they slow 8-16 rows
+                             and help no row count; 32 or 64 pairs ahead do no better */
 #define MIN_BYTES_PER_THREAD (256 << 10) /* less work (weight bytes x 16-row groups of x)
                                            runs on one thread */
 
@@ -157,11 +151,11 @@ static void run_group(int G, const uint16_t *x, const uint16_t *wp, const uint16
 #undef CASE
 
 /* Panels [p0, p1) for T <= T_BLOCK input rows, in groups of MAX_GROUP rows and the rest
- * (16 -> 6 + 6 + 4: fewer rows in the later groups than balanced groups would give ran
- * 1-3% faster); with several groups, in J_BLOCK-pair slices, each read from memory by the
- * first group and from L1 by the others, which prefetch the next slice meanwhile, so that
- * memory keeps streaming while they compute (prefetching only in the first group, or
- * slices of 256 KB from L2, left 7-8 rows ~20% slower than 5). */
+ * (16 -> 6 + 6 + 4: full groups first, a little faster than balanced groups); with several
+ * groups, in J_BLOCK-pair slices, each read from memory by the first group and from L1 by
+ * the others, which prefetch the next slice meanwhile, so that memory keeps streaming while
+ * they compute (prefetching only in the first group, or slices of 256 KB from L2, ran
+ * slower). */
 static void panels(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y,
                    int64_t T, int64_t K, int64_t N, int64_t p0, int64_t p1) {
     const int64_t pairs = (K + 1) / 2;
@@ -175,8 +169,8 @@ static void panels(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, 
             const int64_t j1 = pairs - j0 < j_block ? pairs : j0 + j_block;
             for (int64_t t0 = 0, i = 0; t0 < T; t0 += G, i++) {
                 /* the first pass prefetches a little ahead, later ones the next slice; one
-                 * row alone leaves it to the hardware prefetcher (4 KB ahead cost ~7% in the
-                 * fast memory phase: 82 -> 77 GB/s on Qwen2.5-1.5B's matrices) */
+                 * row alone leaves it to the hardware prefetcher (software prefetch on top
+                 * slows its single stream when memory is fast) */
                 const uint16_t *pf = T == 1 ? NULL
                                      : panel + (i ? j_block : PREFETCH_PAIRS) * (2 * PANEL);
                 run_group((int)(T - t0 < G ? T - t0 : G), x + t0 * K, panel, pf, bias,
@@ -200,9 +194,8 @@ static void group_start_near(int64_t w, int64_t T, int64_t num_panels, int64_t *
  * one starting nearest work index T * P * i / nt to the one starting nearest
  * T * P * (i + 1) / nt, so shares differ by about a row group and a panel is split between
  * threads only at row groups (into more than two shares only when threads outnumber
- * panels). Whole panels per thread left one of two threads idle a fifth of the time on 9
- * panels (SmolLM2's 576 outputs); this way 16-1024 rows ran 1.03-1.11x faster on such
- * matrices on Zen 4 (1, 5 rows and even panel counts: even). */
+ * panels). Whole panels per thread would leave one of two threads idle a fifth of the time
+ * on 9 panels (SmolLM2's 576 outputs). */
 static void thread_share(const uint16_t *x, const uint16_t *wp, const uint16_t *bias,
                          uint16_t *y, int64_t T, int64_t K, int64_t N, int64_t i, int64_t nt) {
     const int64_t num_panels = (N + PANEL - 1) / PANEL, total = T * num_panels;
@@ -251,9 +244,9 @@ int specmoe_linear_bf16(const uint16_t *x, const uint16_t *wp, const uint16_t *b
 /* W [N, K] (row-major bf16) into the panel layout above at out (ceil(N / 64) *
  * ceil(K / 2) * 128 elements): per panel, 16 rows x 16 pairs at a time are loaded (64 bytes
  * of each row, masked past K, zeros past N), transposed as 32-bit pairs and stored as 16
- * pair indices x 16 rows, so every load and store is a whole 64-byte line (gathering the
- * 64 rows' pairs one index at a time ran ~3x slower, which cost the int4 prefill path
- * 10-30%). Returns 0, or -1 when K or N is below 1. */
+ * pair indices x 16 rows, so every load and store is a whole 64-byte line (much faster
+ * than gathering the 64 rows' pairs one index at a time). Returns 0, or -1 when K or N is
+ * below 1. */
 int specmoe_pack_bf16(const uint16_t *w, uint16_t *out, int64_t N, int64_t K, int num_threads) {
     if (K < 1 || N < 1) return -1;
     const int64_t pairs = (K + 1) / 2, num_panels = (N + PANEL - 1) / PANEL;

@@ -41,25 +41,16 @@
  * up to 16 rows of speculative verification give each token the bits of decoding it alone
  * (gemv_int4.py splits 17-32 rows into two calls): greedy speculation on an int4 target is
  * lossless while forwards have at most 32 rows (beyond, bf16 slices of the weights run
- * through gemv_bf16.c, in another order). Weight rows taken in pairs for
- * several rows of x saved loads of x but needed a single accumulator to fit the registers,
- * another order. One row at a time against pairs (bench_int4.py, same session): 1 row the
- * same, 4-9 rows from 10% slower to 9% faster by matrix, 16 rows 10-22% faster (the
- * 4864-column down projection 9% slower).
+ * through gemv_bf16.c, in another order). Weight rows are taken one at a time: pairs of
+ * them for several rows of x save loads of x, but need a single accumulator to fit the
+ * registers (another order) and are no faster overall.
  *
  * Each OpenMP thread takes one contiguous range of output rows; small matrices run on one
  * thread, with no parallel region. Without AVX512-BF16 the bf16 pairs are widened by shifts and multiplied with FMA,
  * as in gemv_bf16.c.
  *
- * Measured on 2 Zen 5 cores (bench/bench_int4.py: Qwen2.5-0.5B shapes, weights far beyond
- * L3, GB/s of int4 weight bytes; ours vs torch's int4 kernel in the same run; a plain
- * streaming read gets ~36 GB/s on 1 core, ~45 on 2). 1 thread: 1 row 24-33 vs 17-22 GB/s
- * (1.37-1.69x; the 896 x 896 q/o pay ~4 us of call overhead in 20 us), 2 rows 21-26 vs
- * 15-18 (1.37-1.67x), 4 rows 15-18 vs 11-13 (1.2-1.46x), 8 rows 8.2-8.9 vs 6.1-6.7
- * (1.3-1.37x: from 4 rows the multiplies set the pace; at 8 about as fast as the bf16
- * kernel reading 3.2x the bytes). 2 threads: 1 row 33-48 vs 29-40 (1.09-1.33x), 8 rows
- * 1.2-1.38x. Whole draft model (Qwen2.5-Coder-0.5B int4, greedy): 1.65x tokens/s on 1
- * thread, 1.49x on 2.
+ * The measurements behind these choices: docs/results/2026-12-02-code-comment-history/
+ * (bench/bench_int4.py times the kernel against torch's).
  *
  * Built by specmoe/kernels/build.py with gcc -O3 -march=native -fopenmp.
  */
@@ -525,8 +516,8 @@ static inline __attribute__((always_inline)) __m512i dequant_group(
  * (`int4_dequantize(..., torch.bfloat16)` bit for bit, except that the AVX512-BF16 build
  * flushes denormal results to zero and NaNs may carry another payload), straight into the
  * bf16 kernel's panel layout (gemv_bf16.c: [ceil((n1 - n0) / 64)][K / 2][64][2], rows past
- * n1 zero): for many rows of x (prefill), where a GEMM on bf16 weights runs 1.3-2.3x
- * torch's int4 kernel even counting this pass; 16 rows' groups transposed at a time, so
+ * n1 zero): for many rows of x (prefill), where a GEMM on bf16 weights beats torch's int4
+ * kernel even counting this pass; 16 rows' groups transposed at a time, so
  * that dequantising and packing cost one pass. Returns 0, or -1 for a row range outside
  * [0, N] or K not a positive multiple of 32. */
 int specmoe_int4_to_bf16_panels(const struct specmoe_int4_weights *w, uint16_t *out,

@@ -9,14 +9,13 @@ group's scale to its dot product (the C source gives the layout and the math). O
 takes up to MAX_ROWS = 16 rows and gives each row the bits it gets alone; 17 to
 MAX_SPLIT_ROWS = 32 rows run as two such calls, so speculative verification of several
 requests stays batch-invariant (lossless) up to 32 rows per forward, at about the cost of
-the alternative below (from memory, Qwen2.5-1.5B matrices: up to 1.26x faster at 17 rows,
-10-37% slower at 32).
+the alternative below (faster near 17 rows, slower near 32).
 
 With more rows the multiplies set the pace, and torch's int4 kernel runs at about half of our
 bf16 GEMM's rate (`specmoe.kernels.gemv`); so there the weights are dequantised to bf16, a
 slice of at most `DEQUANT_SLICE_BYTES` at a time (it stays in the last-level cache), and
-multiplied by that GEMM: 1.5-2.0x torch's int4 kernel at 64 rows, 1.7-2.3x at 150
-(bench/bench_int4.py). Rounding the weights to bf16 errs by up to 2^-9 |x| . |W| per
+multiplied by that GEMM, faster than torch's int4 kernel (bench/bench_int4.py times
+both). Rounding the weights to bf16 errs by up to 2^-9 |x| . |W| per
 output: far below the int4 grid for ordinary groups, but a group whose values sit on a large
 common offset (range well under 2^-7 of its magnitude) loses its int4 levels, where torch's
 int4 kernel, which does not round the weights, keeps them.
@@ -25,8 +24,8 @@ int4 kernel, which does not round the weights, keeps them.
 number of rows as int4 kernel calls of at most MAX_ROWS rows instead: each row then has the
 bits it gets alone in any forward, so greedy speculation on an int4 target gives the tokens
 of plain decoding at any batch size and with chunked prefills, and no weight is rounded to
-bf16; prefill runs at ~420-450 GF/s (Qwen2.5-1.5B matrices, from memory) instead of the
-slices' 520-740, 1.3-1.7x slower (torch's int4 kernel: ~340). Prefills then compute
+bf16; prefill runs slower than on the bf16 slices (still faster than torch's int4
+kernel). Prefills then compute
 without the weights' bf16 rounding, so greedy outputs can differ from the default mode's.
 
 `pack_int4` puts what `quantize_int4` returns into the kernel's layout; `Int4Weights` holds

@@ -5,7 +5,6 @@
  * throughput, with no memory traffic. `specmoe bench throughput` divides a run's matmul
  * flops by this rate for the run's compute floor (specmoe/bench/throughput_floor.py).
  *
- * Measured: 469 GF/s bf16 on 2 Zen 4 cores (EPYC 9004), 1.09 TF/s on 2 Zen 5 cores.
  * Built by specmoe/kernels/build.py (gcc -O3 -march=native -fopenmp).
  */
 #include <immintrin.h>

@@ -11,7 +11,7 @@ bits (tests/models/test_fused_layers.py). Inputs the modules would reject (a pos
 the RoPE table, a cache slot out of range) also go to the modules, which raise.
 
 The pointer table is built at a model's first forward and checked in O(1) per forward
-(walking ~1000 module attributes took ~0.25-0.4 ms once a decode step's weights had
+(walking ~1000 module attributes every forward is slow, once a decode step's weights have
 flushed them from the caches): it is rebuilt when a KV cache, a forward hook or the number
 of layers changes, when any module, parameter or buffer is assigned anywhere (torch's
 global registration hooks bump `generation()`), and when a packed weight copy changes

@@ -6,9 +6,8 @@ per 4 KiB read; where Linux enables transparent huge pages only on request
 allocations never get 2 MiB pages. `zeros_many` maps one anonymous region aligned to 2 MiB,
 advises `MADV_HUGEPAGE` on it and places the tensors in it back to back (so small tensors
 waste no page), each with a storage of its own; `rehome_module` moves a module's CPU
-parameters and buffers there. Measured on 2 Zen 5 cores, the bf16 linear kernel read
-weights 4-8% faster at 1 and 16 rows (SmolLM2-135M's and Qwen2.5-1.5B's matrices, min and
-median of 8 interleaved passes). The KV cache is left to torch: its pages are first touched
+parameters and buffers there, so the linear kernels read the weights faster. The KV cache
+is left to torch: its pages are first touched
 during prefill, where faulting in 2 MiB at a time cost more than the pages saved.
 
 Where huge pages are not available (not Linux, THP `never`, SPECMOE_DISABLE_HUGE_PAGES=1,

@@ -4,10 +4,10 @@ torch's CPU wheel and specmoe's C kernels share one OpenMP runtime, GNU libgomp,
 threads spin for milliseconds after each parallel region before they sleep. On a quiet
 machine one thread per core is fastest. With another CPU-bound process on the same cores,
 each parallel region waits at its closing barrier for a thread the scheduler has parked,
-while its spinning siblings burn the time slices the parked one needs: decoding slowed 3x
-on a 2-core Zen 3 (`bench/bench_threads.py`) and 50x on Zen 4 with the native kernels.
-A lower spin count (GOMP_SPINCOUNT) or OMP_WAIT_POLICY=passive softens this, but costs
-5-15% on a quiet machine, where every wake-up then pays the futex round trip.
+while its spinning siblings burn the time slices the parked one needs, and decoding slows
+several-fold (`bench/bench_threads.py` measures it). A lower spin count (GOMP_SPINCOUNT) or
+OMP_WAIT_POLICY=passive softens this, but slows a quiet machine, where every wake-up then
+pays the futex round trip.
 
 So the engine asks a `ThreadGovernor` before each step: from /proc/stat (CPU time spent on
 the cores this process may use) minus this process's own CPU time, it estimates how many
