@@ -14,8 +14,8 @@ the cores this process may use) minus this process's own CPU time, it estimates 
 cores other processes keep busy, and runs on the cores left, at least one and at most the
 count it started with. The estimate is refreshed at most every `interval_s`, from the CPU
 time of the last interval only (a longer gap, such as an idle server's, starts a new
-window). A count the
-user chose (`pin_thread_count`, which `--threads` calls) is never changed.
+window). A count the user chose (`pin_thread_count`, which `--threads` calls) is never
+changed.
 """
 
 from __future__ import annotations
