@@ -6,7 +6,8 @@ with K = 0). Before anything is timed, one plain and one speculative generation 
 prompt outside the set, so first-call costs (kernel builds, weight packing, allocator
 growth) are not counted as decoding. Then each prompt runs in both modes back to back,
 the order alternating from prompt to prompt, so both see the same machine state. Greedy
-decoding is lossless: the "identical" column compares the token ids of the two runs.
+decoding is lossless: the "same" column compares the token ids of the two runs. The prefix
+cache is emptied before each timed run, so neither mode reuses the other's prefill.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ class DemoPair:
     """One target with its proposer: `chat` wraps prompts in the chat template (instruction
     models); base models continue the raw text."""
 
-    label: str
+    label: str  # the pair, in full
+    short: str  # the target, as the table names it
     model: str
     speculative: dict
     chat: bool
@@ -53,12 +55,13 @@ def demo_pairs(args) -> list[DemoPair]:
     spec = speculative_from_args(args)
     if spec is None:
         raise ValueError("the demo compares against speculation: pass --draft ngram or a model")
-    pairs = [DemoPair(f"{args.model} + {_proposer(spec)}", args.model, spec, chat=True)]
+    pairs = [DemoPair(f"{args.model} + {_proposer(spec)}", f"dense: {args.model}", args.model,
+                      spec, chat=True)]
     if args.moe_model != "none":
         moe_spec = {"method": "draft", "draft_model": args.moe_draft,
                     "num_speculative_tokens": args.num_speculative_tokens}
-        pairs.append(DemoPair(f"{args.moe_model} (MoE) + {args.moe_draft}", args.moe_model,
-                              moe_spec, chat=False))
+        pairs.append(DemoPair(f"{args.moe_model} + {_proposer(moe_spec)}",
+                              f"MoE: {args.moe_model}", args.moe_model, moe_spec, chat=False))
     return pairs
 
 
@@ -84,7 +87,7 @@ def run_demo(args) -> None:
         rows += _run_pair(console, llm, pair, texts, [p.category for p in prompts], modes,
                           args.max_tokens)
         del llm
-    console.print(_table(rows, args))
+    console.print(_table(rows, args, [p.label for p in pairs]))
     _print_sample(console, rows[0])
 
 
@@ -128,19 +131,21 @@ def _run_pair(console, llm, pair, texts, categories, modes, max_tokens) -> list[
             progress.update(task, description=f"{pair.label}: prompt {i + 1}/{len(texts)}")
             timed = {}
             for mode in (("plain", "spec") if i % 2 == 0 else ("spec", "plain")):
+                llm.reset_prefix_cache()  # the second mode would reuse the first's prefill
                 t = time.perf_counter()
                 out = llm.generate(text, modes[mode])[0]
                 timed[mode] = (out, time.perf_counter() - t)
-            rows.append(DemoRow(pair.label, category, *timed["plain"], *timed["spec"]))
+            rows.append(DemoRow(pair.short, category, *timed["plain"], *timed["spec"]))
     return rows
 
 
-def _table(rows: list[DemoRow], args) -> Table:
-    table = Table(title=f"plain vs speculative decoding: greedy, up to {args.max_tokens} "
-                        "tokens, end-to-end tokens/s after a warm-up")
-    for col in ("prompt", "tokens", "plain tok/s", "spec tok/s", "speedup", "accept. length",
-                "identical"):
-        table.add_column(col, justify="left" if col == "prompt" else "right")
+def _table(rows: list[DemoRow], args, labels: list[str]) -> Table:
+    table = Table(title=f"plain vs speculative decoding, end-to-end tokens/s: greedy, up to "
+                        f"{args.max_tokens} tokens, after a warm-up; same: identical tokens",
+                  caption="; ".join(labels))
+    for col in ("prompt", "tokens", "plain", "spec", "speedup", "accept. len", "same"):
+        table.add_column(col, justify="left" if col == "prompt" else "right",
+                         min_width=18 if col == "prompt" else None, no_wrap=col == "prompt")
     for label in dict.fromkeys(r.label for r in rows):
         mine = [r for r in rows if r.label == label]
         table.add_row(f"[bold]{label}[/bold]")

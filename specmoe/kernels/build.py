@@ -37,6 +37,11 @@ class KernelBuildError(RuntimeError):
     """The compiler is missing or rejected the source (message holds its output)."""
 
 
+class UnsupportedCPU(KernelBuildError):
+    """This machine lacks an instruction set the kernel needs: the plain-torch path is the
+    expected one here, not a fault."""
+
+
 def kernel_dir() -> Path:
     """The cache folder: `$SPECMOE_KERNEL_DIR`, else `~/.cache/specmoe/kernels`."""
     return Path(os.environ.get(KERNEL_DIR_ENV) or DEFAULT_KERNEL_DIR).expanduser()
@@ -111,14 +116,14 @@ def load(source: str, extra_flags: tuple[str, ...] = (),
     OSError (loading)."""
     reason = cpu_reason(cpu_flags) if cpu_flags else None
     if reason is not None:
-        raise KernelBuildError(reason)
+        raise UnsupportedCPU(reason)
     return ctypes.CDLL(str(build(source, extra_flags)))
 
 
 class LazyKernel:
     """A kernel built and loaded at first use, once: `get()` returns the loaded function, or
     None when it cannot be had (the reason is logged once as a warning and kept in
-    `unavailable`).
+    `unavailable`; as info only where the CPU lacks the instructions).
 
     Args:
         loader: builds and loads the kernel; raises KernelBuildError or OSError.
@@ -143,6 +148,8 @@ class LazyKernel:
                 self.kernel = self.loader()
             except (KernelBuildError, OSError) as exc:
                 self.unavailable = str(exc)
-                logging.getLogger(__name__).warning("specmoe %s: %s", self.what,
-                                                    self.unavailable)
+                # A CPU without the instructions is expected (info); a failed build is not.
+                level = logging.INFO if isinstance(exc, UnsupportedCPU) else logging.WARNING
+                logging.getLogger(__name__).log(level, "specmoe %s: %s", self.what,
+                                                self.unavailable)
         return self.kernel

@@ -25,6 +25,7 @@ def test_demo_shows_the_dense_and_the_moe_pair(smollm2, capsys):
     assert main(["demo", "--model", smollm2, "--num-prompts", "2", "--max-tokens", "12",
                  "--threads", "1"]) == 0
     out = capsys.readouterr().out
-    assert "smollm2-135m + n-gram K=4" in out and "tiny-moe (MoE) + tiny-moe-draft" in out
+    assert "smollm2-135m + n-gram K=4" in out and "tiny-moe + tiny-moe-draft K=4" in out
+    assert "dense: smollm2-135m" in out and "MoE: tiny-moe" in out
     assert out.count("pooled") == 2 and out.count("2/2") == 2  # identical outputs, both pairs
     assert "NO" not in out
