@@ -30,6 +30,8 @@ from specmoe.sampling_params import SamplingParams
 # (NaN wins torch.argmax) and stays finite for p <= 1.
 _TINY = torch.finfo(torch.float32).tiny
 
+MAX_TOP_K = 2**31 - 1  # larger than any vocabulary
+
 
 @dataclass(slots=True)
 class SamplingTensors:
@@ -66,8 +68,10 @@ class SamplingTensors:
         return cls(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32,
                                      device=device),
-            top_k=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int64,
-                               device=device),
+            # A top_k past any vocabulary keeps every token, as off does; bounding it keeps
+            # an int64 from overflowing (a request's top_k can be any integer).
+            top_k=torch.tensor([min(max(p.top_k, 0), MAX_TOP_K) for p in params],
+                               dtype=torch.int64, device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
             min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
             all_greedy=not sampled,
@@ -149,7 +153,11 @@ def compute_probs(logits: Tensor, st: SamplingTensors) -> Tensor:
     if st.all_greedy:
         return _one_hot_argmax(logits)
     temperature = torch.where(st.is_greedy, 1.0, st.temperature)  # [num_rows]
-    scaled = logits.float() / temperature[:, None]  # [num_rows, vocab_size]
+    # Shifted by the row maximum first: a tiny temperature then sends every other entry to
+    # -inf and the maximum stays 0, where logits / 1e-39 alone overflow to inf and softmax
+    # gives NaN. Softmax is shift-invariant, so every other temperature samples the same p.
+    peak = logits.float().amax(dim=-1, keepdim=True)  # [num_rows, 1]
+    scaled = (logits.float() - peak) / temperature[:, None]  # [num_rows, vocab_size]
     if st.any_top_k or st.any_top_p:
         scaled = _apply_top_k_top_p(scaled, st)
     probs = scaled.softmax(dim=-1)  # [num_rows, vocab_size]

@@ -273,3 +273,19 @@ def test_sample_from_probs_rejects_bad_input():
         sample_from_probs(torch.ones(3, 4), [None, None])
     with pytest.raises(ValueError, match="num_rows"):
         sample_from_probs(torch.ones(4), [None])
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 1e-30, 1e-8])
+def test_tiny_temperature_is_the_greedy_limit_not_nan(temperature):
+    """logits / 1e-39 alone overflow to inf and softmax gives NaN (issue 23, D2)."""
+    logits = torch.tensor([[5.0, 3.0, 1.0, 0.0], [2.0, 7.0, 7.0, -1.0]])
+    probs = compute_probs(logits, _st(*[SamplingParams(temperature=temperature)] * 2))
+    torch.testing.assert_close(probs, torch.tensor([[1.0, 0.0, 0.0, 0.0],
+                                                    [0.0, 0.5, 0.5, 0.0]]))
+
+
+@pytest.mark.parametrize("top_k", [2**63, 2**31, 10**30])
+def test_top_k_past_int64_keeps_every_token(top_k):
+    """A top_k of 2**63 or more overflowed int64 and failed the whole step (issue 23, D1)."""
+    probs = compute_probs(_logits(BASE_PROBS), _st(SamplingParams(top_k=top_k)))
+    _assert_probs(probs, BASE_PROBS)
