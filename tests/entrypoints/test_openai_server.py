@@ -308,7 +308,7 @@ def test_queue_full_429_and_disconnect_frees_kv_blocks(server, http):
         assert _wait_for(lambda: (m := _metrics(http))["specmoe:num_requests_waiting"] == 1
                          and m["specmoe:num_requests_running"] == 2)
         resp = http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
-        assert resp.status_code == 429
+        assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
         assert resp.json()["error"]["type"] == "rate_limit_error"
         assert _metrics(http)["specmoe:kv_cache_blocks_used"] > 0
     # every client disconnected mid-stream: their requests are aborted, blocks freed

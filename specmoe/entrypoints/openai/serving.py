@@ -24,6 +24,9 @@ from specmoe.sampling_params import SamplingParams
 _PARAM_IN_MESSAGE = re.compile(r"invalid (\w+)")
 
 
+RETRY_AFTER_S = 1  # seconds a client told 429 waits before retrying
+
+
 class APIError(Exception):
     """An error answered with an OpenAI-style body and an HTTP status.
 
@@ -45,7 +48,9 @@ class APIError(Exception):
         body = P.ErrorResponse(error=P.ErrorInfo(
             message=self.message, type=self.TYPES.get(self.status, "error"), param=self.param,
             code=self.code))  # a string, or null as OpenAI sends for most 400s
-        return JSONResponse(body.model_dump(), status_code=self.status)
+        # A full queue drains within seconds: tell clients when to retry (RFC 9110, 10.2.3).
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 429 else None
+        return JSONResponse(body.model_dump(), status_code=self.status, headers=headers)
 
 
 @dataclass
