@@ -101,10 +101,10 @@ class ThreadGovernor:
         return it."""
         if is_thread_count_pinned():
             return self.threads
+        if self.clock() - self._last[0] < self.interval_s:  # the common case: no file read
+            return self.threads
         now = self._sample()
         wall = now[0] - self._last[0]
-        if wall < self.interval_s:
-            return self.threads
         if wall > STALE_WINDOWS * self.interval_s:  # after idling: others' past, not now
             self._last = now
             return self.threads

@@ -84,3 +84,18 @@ def test_switched_off_by_the_environment(monkeypatch):
     assert isinstance(threads.make_thread_governor(print, 2), threads.NullThreadGovernor)
     monkeypatch.delenv("SPECMOE_FIXED_THREADS")
     assert isinstance(threads.make_thread_governor(print, 2), threads.ThreadGovernor)
+
+
+def test_cpu_times_are_read_only_once_an_interval_has_passed():
+    m, calls, reads = FakeMachine(), [], []
+    gov = threads.ThreadGovernor(calls.append, 2, interval_s=0.5, cpus={0, 1},
+                                 clock=lambda: m.now,
+                                 read_busy=lambda cpus: reads.append(1) or m.busy,
+                                 read_own=lambda: m.own)
+    for _ in range(10):  # steps within one interval
+        m.run(0.01, ours=2.0, others=0.0)
+        gov.update()
+    assert len(reads) == 1  # the construction's sample only
+    m.run(0.6, ours=2.0, others=0.0)
+    gov.update()
+    assert len(reads) == 2
