@@ -156,8 +156,8 @@ def compute_probs(logits: Tensor, st: SamplingTensors) -> Tensor:
     # Shifted by the row maximum first: a tiny temperature then sends every other entry to
     # -inf and the maximum stays 0, where logits / 1e-39 alone overflow to inf and softmax
     # gives NaN. Softmax is shift-invariant, so every other temperature samples the same p.
-    peak = logits.float().amax(dim=-1, keepdim=True)  # [num_rows, 1]
-    scaled = (logits.float() - peak) / temperature[:, None]  # [num_rows, vocab_size]
+    logits32 = logits.float()  # [num_rows, vocab_size]
+    scaled = (logits32 - logits32.amax(dim=-1, keepdim=True)) / temperature[:, None]
     if st.any_top_k or st.any_top_p:
         scaled = _apply_top_k_top_p(scaled, st)
     probs = scaled.softmax(dim=-1)  # [num_rows, vocab_size]
