@@ -14,6 +14,7 @@ import torch
 from specmoe.config import EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from specmoe.engine.core import EngineCore
 from specmoe.engine.output_processor import OutputProcessor
+from specmoe.engine.validation import RequestValidator
 from specmoe.layers.quantization import speculation_caveat
 from specmoe.loader.model_loader import load_model, resolve_dtype
 from specmoe.outputs import RequestOutput
@@ -70,6 +71,8 @@ class LLM:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.processor = OutputProcessor(self.tokenizer, eos, loaded.max_model_len)
+        self.validator = RequestValidator(self.target.vocab_size, self.target.max_model_len,
+                                          self.tokenizer is not None)
         self._attach_proposer(speculative)
         self._rng = random.Random(seed)
         self._ids = itertools.count()
@@ -118,8 +121,10 @@ class LLM:
                 SamplingParams()).
             on_finish: called with each output as it finishes (e.g. to drive a progress bar).
         Raises:
-            ValueError: an empty prompt, a prompt that leaves no room in the context, stop
-                strings without a tokenizer, or a params list of the wrong length.
+            ValueError: a params list of the wrong length, or a prompt or parameters the
+                model cannot serve (`engine.validation.RequestValidator`: an empty prompt,
+                token ids outside the vocabulary, a prompt that leaves no room in the
+                context, stop strings without a tokenizer, ...).
         """
         prompt_list = _as_prompt_list(prompts)
         params_list = self._params_list(sampling_params, len(prompt_list))
@@ -197,19 +202,8 @@ class LLM:
             ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         else:
             ids, prompt = list(prompt), None
-        if not ids:
-            raise ValueError("invalid prompt: it is empty (0 tokens)")
-        vocab = self.target.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
-               or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"invalid prompt token ids {bad[:5]}: must be integers in "
-                             f"[0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"invalid prompt: {len(ids)} tokens leave no room to generate "
-                             f"within max_model_len={self.max_model_len}")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this model has none")
+        self.validator.check_prompt(ids)
+        self.validator.check_params(params)
         return Request(str(next(self._ids)), prompt, ids, params)
 
     def _generator_for(self, params: SamplingParams) -> torch.Generator:

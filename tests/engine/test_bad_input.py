@@ -60,6 +60,22 @@ def small_llm(smollm2) -> LLM:
     ("stop", [""]),
     ("stop_token_ids", [-1]),
     ("num_speculative_tokens", -1),
+    # wrong types, non-finite values and integers past int64 (issue 23, D11 and fuzzing)
+    ("temperature", True),
+    ("temperature", float("inf")),
+    ("temperature", "0.5"),
+    ("temperature", 1e9),
+    ("top_p", float("nan")),
+    ("min_p", None),
+    ("seed", -1),
+    ("seed", 2**64),
+    ("seed", 1.5),
+    ("max_tokens", True),
+    ("logprobs", 2.0),
+    ("stop", 5),
+    ("stop_token_ids", [True]),
+    ("ignore_eos", "false"),
+    ("num_speculative_tokens", 10**9),
 ])
 def test_bad_sampling_param_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -69,6 +85,7 @@ def test_bad_sampling_param_names_the_field(field, value):
 @pytest.mark.parametrize("field, value", [
     ("temperature", 0.0), ("top_p", 1.0), ("min_p", 0.0), ("min_p", 1.0), ("top_k", -1),
     ("max_tokens", 1), ("logprobs", 0), ("num_speculative_tokens", 0),
+    ("temperature", 2), ("seed", 2**63 - 1), ("top_k", 2**70), ("stop", ("a", "b")),
 ])
 def test_boundary_sampling_params_are_accepted(field, value):
     SamplingParams(**{field: value})
@@ -232,3 +249,26 @@ def test_token_id_prompt_works_without_tokenizer(tiny_llm):
 def test_prompt_token_id_outside_vocab_raises_value_error(tiny_llm, bad_id):
     with pytest.raises(ValueError, match="prompt"):
         tiny_llm.generate([[3, bad_id]], SamplingParams(max_tokens=1))
+
+
+# ------------------------------------------------------------------ against the loaded model
+
+
+@pytest.mark.parametrize("params, field", [
+    (SamplingParams(temperature=1e-39), "temperature"),  # subnormal: 1/t overflows float32
+    (SamplingParams(logprobs=TINY_VOCAB_SIZE + 1), "logprobs"),
+    (SamplingParams(stop_token_ids=[TINY_VOCAB_SIZE]), "stop_token_ids"),
+])
+def test_params_the_model_cannot_serve_raise_before_the_engine(tiny_llm, params, field):
+    with pytest.raises(ValueError, match=f"invalid {field}"):
+        tiny_llm.make_request([3, 4], params)
+    assert not tiny_llm.engine.has_unfinished_requests
+
+
+def test_smallest_safe_temperature_samples_the_greedy_token(tiny_llm):
+    from specmoe.engine.validation import MIN_TEMPERATURE
+    greedy = tiny_llm.generate([[3, 4, 5]], SamplingParams(temperature=0, max_tokens=4,
+                                                           ignore_eos=True))[0]
+    tiny = tiny_llm.generate([[3, 4, 5]], SamplingParams(
+        temperature=MIN_TEMPERATURE, max_tokens=4, ignore_eos=True, seed=1))[0]
+    assert tiny.token_ids == greedy.token_ids
