@@ -62,6 +62,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        # None means "none", as in the OpenAI API, where `stop: null` is the default.
+        self.stop = [] if self.stop is None else self.stop
+        self.stop_token_ids = [] if self.stop_token_ids is None else self.stop_token_ids
         self.stop = list(self.stop or []) if _is_sequence(self.stop) else self.stop
         self.stop_token_ids = (list(self.stop_token_ids or [])
                                if _is_sequence(self.stop_token_ids) else self.stop_token_ids)

@@ -95,6 +95,12 @@ def test_single_stop_string_is_wrapped_in_a_list():
     assert SamplingParams(stop="###").stop == ["###"]
 
 
+def test_null_stop_fields_mean_none():
+    # The OpenAI API sends `"stop": null` by default; the server forwards it as None.
+    params = SamplingParams(stop=None, stop_token_ids=None)
+    assert params.stop == [] and params.stop_token_ids == []
+
+
 # ------------------------------------------------------------------ engine options
 
 
