@@ -74,6 +74,9 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
                        help="seconds in-flight requests get to finish after SIGTERM "
                             "(default: %(default)s)")
+    serve.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
+                       help="largest request body in bytes; a larger one gets HTTP 413 before "
+                            "it is parsed (default: %(default)s, 4 MiB)")
     serve.add_argument("--log-level", default=d.log_level,
                        choices=["critical", "error", "warning", "info", "debug"])
 
@@ -85,9 +88,12 @@ def cmd_serve(args) -> None:
     from specmoe.entrypoints.openai.api_server import ServeConfig, run_server
     cfg = ServeConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
                       api_key=args.api_key, max_waiting=args.max_waiting,
-                      drain_timeout_s=args.drain_timeout, log_level=args.log_level)
+                      drain_timeout_s=args.drain_timeout, log_level=args.log_level,
+                      max_request_bytes=args.max_request_bytes)
     if cfg.max_waiting < 1:
         raise ValueError(f"invalid --max-waiting={cfg.max_waiting}: must be >= 1")
+    if cfg.max_request_bytes < 1:
+        raise ValueError(f"invalid --max-request-bytes={cfg.max_request_bytes}: must be >= 1")
     apply_threads(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     scheduler = {k: v for k, v in {"max_num_seqs": args.max_num_seqs,

@@ -242,7 +242,7 @@ BAD = [
     ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]},
      "messages.0.role"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                          "top_logprobs": 2}, None),
+                          "top_logprobs": 2}, "top_logprobs"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                           "stream_options": {"include_usage": True}}, "stream_options"),
 ]

@@ -7,7 +7,9 @@ ending in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus
   `Authorization: Bearer <key>` on every route except /health (401 otherwise).
 - Every error is answered with OpenAI's body {"error": {"message", "type", "param", "code"}}:
   400 for a bad field (named in `param`) or a prompt too long for the context, 404 for an
-  unknown model or route, 429 when the waiting queue is full, 503 while shutting down.
+  unknown model or route, 413 for a body over `max_request_bytes`, 429 when the waiting
+  queue is full, 500 for an unexpected failure, 503 while shutting down. Every /v1 response,
+  500 included, is counted once in `specmoe:http_responses_total{status}`.
 - Graceful shutdown: the first SIGTERM or SIGINT stops admissions (503; /health answers 503
   so a load balancer drains the instance), lets in-flight requests finish for up to
   `drain_timeout_s` seconds, aborts the rest (their responses end with finish_reason
@@ -20,6 +22,7 @@ import asyncio
 import hmac
 import logging
 import os
+import reprlib
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -39,6 +42,9 @@ from specmoe.entrypoints.openai.serving import APIError, OpenAIServing
 logger = logging.getLogger("specmoe.server")
 API_KEY_ENV = "SPECMOE_API_KEY"
 ABORT_GRACE_S = 3.0  # seconds aborted requests get to end their responses after the drain
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # request body limit (HTTP 413 above it)
+# Body-level validation errors: the body is not a JSON object at all (or is missing).
+_BODY_TYPE_ERRORS = {"model_attributes_type", "model_type", "dict_type", "missing"}
 
 
 @dataclass
@@ -49,6 +55,7 @@ class ServerState:
         api_key: required bearer token (None: open).
         is_draining: shutdown has begun; generation routes answer 503.
         num_in_flight: generation requests (HTTP) being served, streaming included.
+        max_request_bytes: largest request body accepted (413 above it).
     """
 
     engine: AsyncEngine
@@ -59,10 +66,12 @@ class ServerState:
     is_draining: bool = False
     num_in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
 
 def build_app(llm, served_model_name: str, api_key: str | None = None,
-              max_waiting: int = 256, drain_timeout_s: float = 30.0) -> FastAPI:
+              max_waiting: int = 256, drain_timeout_s: float = 30.0,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """A FastAPI app serving `llm` (specmoe.LLM). Starts its engine thread on startup and
     stops it on shutdown.
 
@@ -71,14 +80,20 @@ def build_app(llm, served_model_name: str, api_key: str | None = None,
         api_key: bearer token required on every route but /health (None: no key).
         max_waiting: requests that may wait for a slot before new ones get 429.
         drain_timeout_s: seconds in-flight requests get to finish on shutdown.
+        max_request_bytes: largest request body in bytes; a larger one gets 413 before it
+            is parsed (checked from Content-Length and by counting a chunked body).
     Raises:
-        ValueError: max_waiting < 1.
+        ValueError: max_waiting < 1 or max_request_bytes < 1.
     """
+    if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) \
+            or max_request_bytes < 1:
+        raise ValueError(f"invalid max_request_bytes={max_request_bytes!r}: must be an int "
+                         ">= 1")
     metrics = ServerMetrics(served_model_name)
     metrics.attach_expert_load(llm.target.model)
     engine = AsyncEngine(llm, max_waiting=max_waiting, observer=metrics)
     state = ServerState(engine, OpenAIServing(engine, served_model_name), metrics, api_key,
-                        drain_timeout_s)
+                        drain_timeout_s, max_request_bytes=max_request_bytes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -86,6 +101,7 @@ def build_app(llm, served_model_name: str, api_key: str | None = None,
         yield
         state.is_draining = True
         await engine.shutdown(timeout_s=0.0)
+        state.serving.close()
 
     app = FastAPI(title="specmoe", lifespan=lifespan)
     app.state.specmoe = state
@@ -135,11 +151,19 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_, exc: StarletteHTTPException) -> JSONResponse:
         return APIError(exc.status_code, str(exc.detail)).response()
+    # Other exceptions are answered (500) by GuardMiddleware, inside the counting of
+    # responses: Starlette's own handler for them sends outside every middleware.
 
-    @app.exception_handler(Exception)
-    async def internal_error(_, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+
+def _short_repr(value, limit: int = 200) -> str:
+    """repr(value) cut to about `limit` characters, without building the repr of a huge
+    prompt first."""
+    short = _SHORT.repr(value)
+    return short if len(short) <= limit else short[:limit] + "..."
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdict = 160, 160, 8, 8
 
 
 def validation_api_error(errors: list[dict]) -> APIError:
@@ -154,17 +178,26 @@ def validation_api_error(errors: list[dict]) -> APIError:
         return APIError(400, f"invalid JSON body: {err.get('msg')}", None)
     param = ".".join(loc) or None
     msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-    if param is None:
+    if param is None and err.get("type") in _BODY_TYPE_ERRORS:
         return APIError(400, f"invalid request body: {msg} (send a JSON object with "
                              "'Content-Type: application/json')", None)
-    value = err.get("input")
-    shown = "" if err.get("type") == "missing" else f"={value!r}"[:200]
+    if param is None:
+        return APIError(400, f"invalid request: {msg}", None)
+    shown = "" if err.get("type") == "missing" else "=" + _short_repr(err.get("input"))
     return APIError(400, f"invalid {param}{shown}: {msg}", param)
 
 
+
+class _BodyTooLarge(Exception):
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.size = size
+
+
 class GuardMiddleware:
-    """API key check, 503 while draining, in-flight count and per-status counts of /v1
-    responses (pure ASGI, so streaming responses are counted until their last byte)."""
+    """API key check, 503 while draining, the body-size limit (413), in-flight count, an
+    OpenAI-shaped 500 for an unhandled exception, and per-status counts of /v1 responses
+    (pure ASGI, so streaming responses are counted until their last byte)."""
 
     def __init__(self, app, state: ServerState) -> None:
         self.app, self.state = app, state
@@ -183,16 +216,68 @@ class GuardMiddleware:
         if is_generation and state.is_draining:
             return await self._reject(send, APIError(503, "the server is shutting down", None,
                                                      "shutting_down"))
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            try:
+                receive = await self._buffered(scope, receive)
+            except _BodyTooLarge as exc:
+                return await self._reject(send, self._too_large(exc.size))
         if not is_generation:
-            return await self.app(scope, receive, send)
+            return await self._serve(scope, receive, send)
         state.num_in_flight += 1
         state.idle.clear()
         try:
-            await self.app(scope, receive, send)
+            await self._serve(scope, receive, send)
         finally:
             state.num_in_flight -= 1
             if state.num_in_flight == 0:
                 state.idle.set()
+
+    async def _serve(self, scope, receive, send) -> None:
+        """Run the app; an exception before the response started is answered here with an
+        OpenAI-shaped 500 (so it is counted); one after it started is re-raised."""
+        started = False
+
+        async def tracking(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+        try:
+            await self.app(scope, receive, tracking)
+        except Exception as exc:
+            if started:
+                raise
+            logger.exception("unhandled error on %s %s", scope["method"], scope["path"])
+            await self._reject(send, APIError(
+                500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error"))
+
+    async def _buffered(self, scope, receive):
+        """Read the whole body, counting bytes, and return a `receive` that replays it.
+
+        Raises:
+            _BodyTooLarge: Content-Length, or the bytes received so far, exceed the limit
+                (nothing more is read then).
+        """
+        limit = self.state.max_request_bytes
+        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if length.isdigit() and int(length) > limit:
+            raise _BodyTooLarge(int(length))
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # disconnected: let the app see it
+                return _replay([], receive, first=message)
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > limit:
+                raise _BodyTooLarge(size)
+            more = message.get("more_body", False)
+        return _replay(chunks, receive)
+
+    def _too_large(self, size: int) -> APIError:
+        limit = self.state.max_request_bytes
+        return APIError(413, f"the request body has {size} bytes (at least); this server "
+                             f"accepts at most {limit} bytes (--max-request-bytes)", None,
+                        "request_too_large")
 
     def _authorized(self, scope) -> bool:
         headers = dict(scope.get("headers") or [])
@@ -215,6 +300,17 @@ class GuardMiddleware:
         await send({"type": "http.response.start", "status": response.status_code,
                     "headers": response.raw_headers})
         await send({"type": "http.response.body", "body": response.body})
+
+
+def _replay(chunks: list[bytes], receive, first: dict | None = None):
+    """An ASGI `receive` giving `first` (or the buffered body, in one message) once, then
+    the real `receive` (which reports the client's disconnect)."""
+    pending = [first or {"type": "http.request", "body": b"".join(chunks),
+                         "more_body": False}]
+
+    async def replay() -> dict:
+        return pending.pop() if pending else await receive()
+    return replay
 
 
 class DrainingServer(uvicorn.Server):
@@ -274,13 +370,14 @@ class ServeConfig:
     max_waiting: int = 256
     drain_timeout_s: float = 30.0
     log_level: str = "info"
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
 
 def run_server(llm, model_name: str, cfg: ServeConfig) -> None:
     """Serve `llm` until a signal; returns after a graceful drain."""
     api_key = cfg.api_key or os.environ.get(API_KEY_ENV) or None
     app = build_app(llm, cfg.served_model_name or model_name, api_key, cfg.max_waiting,
-                    cfg.drain_timeout_s)
+                    cfg.drain_timeout_s, cfg.max_request_bytes)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
                             timeout_graceful_shutdown=5, access_log=False)
     DrainingServer(config, app.state.specmoe).run()

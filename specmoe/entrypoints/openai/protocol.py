@@ -5,6 +5,11 @@ field), as OpenAI's API does. Extensions (vLLM-style, as extra body fields): top
 ignore_eos, stop_token_ids and num_speculative_tokens (per-request K; 0 turns speculation
 off). Responses carry `usage` and, as an extension, `spec_decode` (the request's speculation
 statistics summed over its choices).
+
+Types are strict: a bool is never read from 1 or "yes", a float never from a string or a
+bool (an int is a float), and NaN or infinity is refused. Every text (prompt, message,
+name, stop string, user) must be valid Unicode: a lone surrogate such as "\\ud800" cannot
+be encoded as UTF-8 and is refused with a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -13,15 +18,46 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_SPECULATIVE_TOKENS = 16
 MAX_STOP_STRINGS = 16
+# Engine requests one HTTP request may create: its prompts times n (vLLM caps n alone). Each
+# engine request holds its own KV cache blocks and slot, so one call cannot flood the queue.
+MAX_ENGINE_REQUESTS_PER_CALL = 256
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (also for null)
 # Integer fields are strict: true or 3.5 is refused, not read as 1 or 3.
 
 NonNegInt = Annotated[int, Field(ge=0, strict=True)]
+StrictBool = Annotated[bool, Field(strict=True)]
+# An int or a float, finite; not a bool and not a string (strict mode takes ints for floats).
+StrictFloat = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+
+
+def check_text(value, what: str = "text"):
+    """`value` unchanged when every string in it (a str, or nested lists of them) can be
+    encoded as UTF-8. Raises ValueError naming the first lone surrogate (index in the string)
+    otherwise; the tokenizer would fail on it with a TypeError (a 500)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"{what} contains a lone surrogate U+{ord(value[exc.start]):04X} at character "
+                f"{exc.start}: text must be valid Unicode (encodable as UTF-8)") from None
+    elif isinstance(value, list):
+        for item in value:
+            check_text(item, what)
+    return value
+
+
+def num_prompts(prompt) -> int:
+    """How many prompts a completions `prompt` holds: a string or a token-id list is one."""
+    if isinstance(prompt, str) or all(isinstance(t, int) for t in prompt):
+        return 1
+    return len(prompt)
 
 
 class _Strict(BaseModel):
@@ -29,8 +65,11 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    """`include_usage`: a last chunk with the usage of the whole request.
+    `continuous_usage_stats` (vLLM): every chunk carries the usage so far."""
+
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
 
 
 class _SamplingFields(_Strict):
@@ -38,21 +77,21 @@ class _SamplingFields(_Strict):
 
     model: str
     max_tokens: int | None = Field(strict=True, default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: StrictFloat = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: StrictFloat = Field(default=1.0, gt=0.0, le=1.0)
     n: int = Field(strict=True, default=1, ge=1, le=MAX_N)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(strict=True, default=None, ge=0, lt=2**63)
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    frequency_penalty: StrictFloat = 0.0
+    presence_penalty: StrictFloat = 0.0
+    logit_bias: dict[str, StrictFloat] | None = None
     user: str | None = None
     # extensions
     top_k: int = Field(strict=True, default=0, ge=-1)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    ignore_eos: bool = False
+    min_p: StrictFloat = Field(default=0.0, ge=0.0, le=1.0)
+    ignore_eos: StrictBool = False
     stop_token_ids: list[NonNegInt] | None = None
     num_speculative_tokens: int | None = Field(strict=True, default=None, ge=0,
                                                le=MAX_SPECULATIVE_TOKENS)
@@ -65,7 +104,12 @@ class _SamplingFields(_Strict):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
-        return stops
+        return check_text(stops, "a stop string")
+
+    @field_validator("user")
+    @classmethod
+    def _check_user(cls, v: str | None) -> str | None:
+        return check_text(v, "user")
 
     @field_validator("frequency_penalty", "presence_penalty")
     @classmethod
@@ -93,7 +137,7 @@ class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(strict=True, default=16, ge=1)
+    max_tokens: int | None = Field(strict=True, default=COMPLETIONS_DEFAULT_MAX_TOKENS, ge=1)
     logprobs: int | None = Field(strict=True, default=None, ge=0, le=MAX_LOGPROBS)
     echo: Literal[False] = False
     best_of: int | None = Field(strict=True, default=None, ge=1, le=MAX_N)
@@ -101,18 +145,34 @@ class CompletionRequest(_SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _check_prompt(cls, v):
+    def _check_prompt(cls, v, info: ValidationInfo):
+        """Non-empty, valid Unicode, and at most MAX_ENGINE_REQUESTS_PER_CALL prompts x n
+        (n is validated first: it is declared earlier)."""
         if isinstance(v, (str, list)) and len(v) == 0:
             raise ValueError("prompt must not be empty")
         if isinstance(v, list) and any(isinstance(p, (str, list)) and len(p) == 0 for p in v):
             raise ValueError("prompt must not contain an empty prompt")
-        return v
+        n = info.data.get("n", 1)
+        if num_prompts(v) * n > MAX_ENGINE_REQUESTS_PER_CALL:
+            raise ValueError(
+                f"{num_prompts(v)} prompts x n={n} make {num_prompts(v) * n} engine requests; "
+                f"at most {MAX_ENGINE_REQUESTS_PER_CALL} per request: send fewer prompts per "
+                "request or a smaller n")
+        return check_text(v, "the prompt")
 
-    @model_validator(mode="after")
-    def _check_best_of(self) -> "CompletionRequest":
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of={self.best_of} is not supported (only best_of == n)")
-        return self
+    @field_validator("max_tokens")
+    @classmethod
+    def _default_max_tokens(cls, v: int | None) -> int:
+        """null means OpenAI's default (16), as an absent field does."""
+        return COMPLETIONS_DEFAULT_MAX_TOKENS if v is None else v
+
+    @field_validator("best_of")
+    @classmethod
+    def _check_best_of(cls, v: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if v is not None and v != n:
+            raise ValueError(f"best_of={v} is not supported (only best_of == n, here {n})")
+        return v
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request: text or token-id lists."""
@@ -128,11 +188,21 @@ class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
+    @field_validator("text")
+    @classmethod
+    def _check_text(cls, v: str) -> str:
+        return check_text(v, "the text")
+
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
+
+    @field_validator("content", "name")
+    @classmethod
+    def _check_text(cls, v, info: ValidationInfo):
+        return v if not isinstance(v, str) else check_text(v, f"the {info.field_name}")
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -145,14 +215,15 @@ class ChatCompletionRequest(_SamplingFields):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(strict=True, default=None, ge=1)
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = Field(strict=True, default=None, ge=0, le=MAX_LOGPROBS)
 
-    @model_validator(mode="after")
-    def _check_top_logprobs(self) -> "ChatCompletionRequest":
-        if self.top_logprobs is not None and not self.logprobs:
+    @field_validator("top_logprobs")
+    @classmethod
+    def _check_top_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs", False):
             raise ValueError("top_logprobs needs logprobs=true")
-        return self
+        return v
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -1,17 +1,25 @@
 """Completions and chat completions over the AsyncEngine: validation into engine requests,
-n choices per prompt, non-streaming collection and server-sent-event streaming."""
+n choices per prompt, non-streaming collection and server-sent-event streaming.
+
+Chat templating and tokenisation (and the n clones of each request) run in a small worker
+pool, never on the event loop: a multi-megabyte prompt takes seconds to tokenize, and the
+loop must go on answering /health and streaming meanwhile. (The HF fast tokenizer's encode
+is thread-safe and releases the GIL.)
+"""
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import re
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from dataclasses import dataclass, field
 
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from specmoe.engine.async_engine import (AsyncEngine, EngineDrainingError, QueueFullError,
@@ -22,9 +30,12 @@ from specmoe.request import Request
 from specmoe.sampling_params import SamplingParams
 
 _PARAM_IN_MESSAGE = re.compile(r"invalid (\w+)")
-
+logger = logging.getLogger("specmoe.server")
 
 RETRY_AFTER_S = 1  # seconds a client told 429 waits before retrying
+NUM_PREPROCESS_THREADS = 2  # worker threads for chat templates and tokenisation
+CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request": a response nobody receives
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks for a disconnect
 
 
 class APIError(Exception):
@@ -37,11 +48,14 @@ class APIError(Exception):
     """
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+             413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+             503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None,
                  code: str | None = None) -> None:
         super().__init__(message)
+        # a lone surrogate from the request (an unknown field's name) cannot go out as UTF-8
+        message, param = _printable(message), _printable(param)
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def response(self) -> JSONResponse:
@@ -86,6 +100,17 @@ class OpenAIServing:
         self.engine = engine
         self.llm = engine.llm
         self.model_name = served_model_name
+        self._pool = ThreadPoolExecutor(NUM_PREPROCESS_THREADS,
+                                        thread_name_prefix="specmoe-preprocess")
+        self._token_bytes = TokenBytes(self.llm.tokenizer)
+
+    def close(self) -> None:
+        """Stop the worker threads (the app's shutdown)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _offload(self, fn, *args):
+        """fn(*args) in the worker pool; its exception (an APIError) is raised here."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     # ---- entry points ----------------------------------------------------------------
 
@@ -93,7 +118,7 @@ class OpenAIServing:
         """POST /v1/completions. Raises APIError (400/404/429/503)."""
         self._check_model(body.model)
         params = self._params(body, body.max_tokens, body.logprobs)
-        reqs = [self._request(prompt, params, "prompt") for prompt in body.prompts()]
+        reqs = await self._offload(self._requests, body.prompts(), params, "prompt")
         return await self._run(body, reqs, raw, CompletionFormat(self, body))
 
     async def chat_completions(self, body: P.ChatCompletionRequest, raw: HTTPRequest):
@@ -101,12 +126,8 @@ class OpenAIServing:
         self._check_model(body.model)
         messages = [{"role": "system" if m.role == "developer" else m.role,
                      "content": m.text()} for m in body.messages]
-        try:
-            prompt = self.llm.chat_prompt(messages)
-        except Exception as exc:  # noqa: BLE001 - template errors are the caller's input
-            raise APIError(400, f"invalid messages: {exc}", "messages") from exc
         params = self._params(body, body.requested_max_tokens(), body.num_logprobs())
-        reqs = [self._request(prompt, params, "messages")]
+        reqs = await self._offload(self._chat_requests, messages, params)
         return await self._run(body, reqs, raw, ChatFormat(self, body))
 
     # ---- validation ------------------------------------------------------------------
@@ -127,14 +148,22 @@ class OpenAIServing:
         except ValueError as exc:
             raise _bad_request(exc) from exc
 
-    def _request(self, prompt: str | list[int], params: SamplingParams, field_name: str
-                 ) -> Request:
-        """An engine request (tokenized, prompt checked against the context); 400 if bad."""
+    def _chat_requests(self, messages: list[dict], params: SamplingParams) -> list[Request]:
+        """(Worker thread.) The chat template applied, then tokenized; 400 if bad."""
         try:
-            req = self.llm.make_request(prompt, params)
+            prompt = self.llm.chat_prompt(messages)
+        except Exception as exc:  # noqa: BLE001 - template errors are the caller's input
+            raise APIError(400, f"invalid messages: {exc}", "messages") from exc
+        return self._requests([prompt], params, "messages")
+
+    def _requests(self, prompts: list[str | list[int]], params: SamplingParams,
+                  field_name: str) -> list[Request]:
+        """(Worker thread.) Engine requests, tokenized and checked against the context;
+        APIError 400 naming `field_name` if a prompt is bad."""
+        try:
+            return [self.llm.make_request(prompt, params) for prompt in prompts]
         except ValueError as exc:
             raise APIError(400, str(exc), field_name) from exc
-        return req
 
     def _fit(self, body, reqs: list[Request]) -> None:
         """Fill in or check max_tokens against the context and the KV cache (400)."""
@@ -156,7 +185,7 @@ class OpenAIServing:
 
     async def _run(self, body, reqs: list[Request], raw: HTTPRequest, fmt: "_Format"):
         self._fit(body, reqs)
-        engine_reqs, choices = self._expand(reqs, body.n, body.seed)
+        engine_reqs, choices = await self._offload(self._expand, reqs, body.n, body.seed)
         try:
             streams = self.engine.submit(engine_reqs, is_streaming=body.stream)
         except QueueFullError as exc:
@@ -167,12 +196,14 @@ class OpenAIServing:
             return StreamingResponse(self._sse(streams, choices, fmt),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        await self._collect(streams, choices, raw)
+        if not await self._collect(streams, choices, raw):
+            return Response(status_code=CLIENT_CLOSED_STATUS)  # never received
         return JSONResponse(fmt.response(choices).model_dump(exclude_none=True))
 
     def _expand(self, reqs: list[Request], n: int, seed: int | None
                 ) -> tuple[list[Request], list[_Choice]]:
-        """n engine requests per prompt; choice i of a seeded request uses seed + i."""
+        """(Worker thread.) n engine requests per prompt; choice i of a seeded request uses
+        seed + i."""
         out, choices = [], []
         for req in reqs:
             for j in range(n):
@@ -186,21 +217,30 @@ class OpenAIServing:
         return out, choices
 
     async def _collect(self, streams: list[RequestStream], choices: list[_Choice],
-                       raw: HTTPRequest) -> None:
-        """Wait for every choice; abort them all if the client disconnects first."""
+                       raw: HTTPRequest) -> bool:
+        """Wait for every choice: True when all finished. False when the client disconnected
+        first: every stream is aborted and the request ends quietly (one info line).
+
+        Raises:
+            APIError: 500 when the engine failed a choice.
+        """
         task = asyncio.ensure_future(self._drain(streams, choices))
         try:
             while not task.done():
-                await asyncio.wait({task}, timeout=0.5)
+                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
                 if not task.done() and await raw.is_disconnected():
                     task.cancel()
-            await task
+                    await asyncio.wait({task})  # let it end; its CancelledError stays there
+                    logger.info("client disconnected: %d requests aborted", len(streams))
+                    return False
+            task.result()
         except RequestFailedError as exc:
             raise APIError(500, str(exc), None, "engine_error") from exc
         finally:
             task.cancel()
             for s in streams:
                 s.abort()
+        return True
 
     async def _drain(self, streams: list[RequestStream], choices: list[_Choice]) -> None:
         async for i, delta in merge_streams(streams):
@@ -212,12 +252,12 @@ class OpenAIServing:
         failure mid-stream is sent as an error event before [DONE]."""
         try:
             for chunk in fmt.first_chunks(choices):
-                yield _event(chunk)
+                yield _event(fmt.with_usage(chunk, choices))
             async for i, delta in merge_streams(streams):
                 choices[i].add(delta)
                 chunk = fmt.chunk(choices[i], delta)
                 if chunk is not None:
-                    yield _event(chunk)
+                    yield _event(fmt.with_usage(chunk, choices))
             usage = fmt.usage_chunk(choices)
             if usage is not None:
                 yield _event(usage)
@@ -232,6 +272,11 @@ class OpenAIServing:
         """The text of one token (as the tokenizer decodes it alone)."""
         tok = self.llm.tokenizer
         return tok.decode([token_id]) if tok is not None else str(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of one token: a part of a UTF-8 character stays those bytes (its text
+        alone decodes to U+FFFD)."""
+        return self._token_bytes(token_id, self.token_text(token_id))
 
 
 async def merge_streams(streams: list[RequestStream]
@@ -299,6 +344,14 @@ class _Format:
     def first_chunks(self, choices: list[_Choice]) -> list[BaseModel]:
         return []
 
+    def with_usage(self, chunk: BaseModel, choices: list[_Choice]) -> BaseModel:
+        """`chunk`, carrying the usage so far (every choice's tokens up to now) when the
+        request asked for `stream_options.continuous_usage_stats`."""
+        opts = self.body.stream_options
+        if opts is not None and opts.continuous_usage_stats:
+            chunk.usage = usage_info(choices, self.body.n)
+        return chunk
+
     def usage_chunk(self, choices: list[_Choice]) -> BaseModel | None:
         opts = self.body.stream_options
         if opts is None or not opts.include_usage:
@@ -357,11 +410,11 @@ class ChatFormat(_Format):
     def logprobs(self, entries: list[TokenLogprob]) -> P.ChatLogprobs | None:
         if not self.body.logprobs:
             return None
-        text = self.serving.token_text
+        serving = self.serving
 
         def top(t: int, lp: float) -> P.TopLogprob:
-            s = text(t)
-            return P.TopLogprob(token=s, logprob=lp, bytes=list(s.encode()))
+            return P.TopLogprob(token=serving.token_text(t), logprob=lp,
+                                bytes=list(serving.token_bytes(t)))
         return P.ChatLogprobs(content=[P.ChatTokenLogprob(
             **top(e.token_id, e.logprob).model_dump(),
             top_logprobs=[top(t, lp) for t, lp in e.top_logprobs]) for e in entries])
@@ -396,6 +449,77 @@ def _event(chunk: BaseModel | bytes) -> str:
 def _bad_request(exc: ValueError) -> APIError:
     match = _PARAM_IN_MESSAGE.match(str(exc))
     return APIError(400, str(exc), match.group(1) if match else None)
+
+
+def _printable(text: str | None) -> str | None:
+    """`text` with any lone surrogate escaped ("\\ud800"), so it encodes as UTF-8."""
+    if text is None:
+        return None
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's bytes_to_unicode table inverted: the character a byte-level BPE vocabulary
+    uses for each byte -> that byte. Printable Latin-1 bytes stand for themselves; the other
+    68 bytes are shifted to U+0100 and up, in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    shifted = [b for b in range(256) if b not in kept]
+    table = {chr(b): b for b in kept}
+    table.update({chr(256 + i): b for i, b in enumerate(shifted)})
+    return table
+
+
+_SENTENCEPIECE_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+class TokenBytes:
+    """The bytes of a token id, from the tokenizer's vocabulary (cached per id).
+
+    Byte-level BPE vocabularies (GPT-2, SmolLM2, Qwen, Llama 3) spell each byte as one
+    character: mapped back through GPT-2's table. SentencePiece byte-fallback tokens
+    ("<0xE2>") are that byte, other SentencePiece pieces their UTF-8 with "▁" as a space.
+    Anything else (added tokens outside the byte alphabet, no tokenizer) is the UTF-8 of the
+    decoded text.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.is_byte_level = _is_byte_level(tokenizer)
+        self._cache: dict[int, bytes] = {}
+
+    def __call__(self, token_id: int, text: str) -> bytes:
+        """`text` is the token decoded alone (the fallback)."""
+        out = self._cache.get(token_id)
+        if out is None:
+            out = self._cache[token_id] = self._lookup(token_id, text)
+        return out
+
+    def _lookup(self, token_id: int, text: str) -> bytes:
+        piece = None
+        if self.tokenizer is not None:
+            try:
+                piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            except Exception:  # noqa: BLE001 - an id outside the vocabulary: the text
+                piece = None
+        if not isinstance(piece, str) or not piece:
+            return text.encode("utf-8", "backslashreplace")
+        table = _byte_decoder()
+        if self.is_byte_level and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        match = _SENTENCEPIECE_BYTE.fullmatch(piece)
+        if match:
+            return bytes([int(match.group(1), 16)])
+        if not self.is_byte_level:
+            return piece.replace("\u2581", " ").encode("utf-8", "backslashreplace")
+        return text.encode("utf-8", "backslashreplace")
+
+
+def _is_byte_level(tokenizer) -> bool:
+    """Whether the tokenizer's decoder is byte-level (its vocabulary spells bytes)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    return decoder is not None and "ByteLevel" in repr(decoder)
 
 
 
