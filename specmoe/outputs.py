@@ -138,10 +138,13 @@ class RequestOutput:
         text: the generated text (special tokens skipped, cut before a stop string).
         token_ids: generated token ids (an EOS or stop token that ended it is included).
         logprobs: per emitted token, when requested.
-        finish_reason: "stop" (EOS, stop token or stop string), "length" or "abort".
+        finish_reason: "stop" (EOS, stop token or stop string), "length", "abort", or
+            "error": a step failed on this request alone and the engine dropped it, keeping
+            what it had generated (the others in the step went on).
         stop_reason: the stop string or stop token id that ended it, if any.
         spec_stats: speculative-decoding statistics of this request.
         metrics: timings.
+        error: with finish_reason "error", what failed ("<ExceptionType>: <message>").
     """
 
     request_id: str
@@ -154,3 +157,4 @@ class RequestOutput:
     stop_reason: str | int | None
     spec_stats: SpecDecodeStats
     metrics: RequestMetrics
+    error: str | None = None

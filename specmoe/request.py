@@ -27,7 +27,8 @@ class Request:
         output_logprobs: one entry per emitted token when `params.logprobs` is set.
         text: generated text, set when the request finishes (or when stop strings are
             checked).
-        finish_reason: None while running, then "stop", "length" or "abort".
+        finish_reason: None while running, then "stop", "length", "abort" or "error".
+        error: why the engine failed it (finish_reason "error"), else None.
         stop_reason: the stop string or stop token id that ended it (None for EOS/length).
         status: scheduling state.
         num_computed_tokens: leading tokens of `all_token_ids` whose KV is in the cache.
@@ -45,6 +46,7 @@ class Request:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    error: str | None = None
     spec_stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     status: RequestStatus = RequestStatus.WAITING

@@ -13,6 +13,7 @@ drafts, so outputs with and without speculation come from the same sampling code
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -21,13 +22,16 @@ from specmoe.config import SchedulerConfig
 from specmoe.engine.output_processor import OutputProcessor
 from specmoe.engine.scheduler import ScheduledRequest, Scheduler
 from specmoe.engine.stats import EngineStats
-from specmoe.engine.verification import VerifyRow, verify_rows
+from specmoe.engine.isolation import run_isolated
+from specmoe.engine.verification import VerifyResult, VerifyRow, verify_rows
 from specmoe.outputs import TokenLogprob
 from specmoe.request import Request
 from specmoe.sample.ops import compute_logprobs
 from specmoe.spec_decode.proposer import ProposeRequest
 from specmoe.utils.threads import make_thread_governor
 from specmoe.worker.model_runner import ModelRunner, SequenceInput
+
+logger = logging.getLogger(__name__)
 
 
 class NullStepObserver:
@@ -81,6 +85,7 @@ class EngineCore:
         self._generators: dict[str, torch.Generator] = {}
         self._draft_probs: dict[str, torch.Tensor | None] = {}
         self.step_observer = NullStepObserver()
+        self._failed: list[Request] = []  # this step's requests failed alone (`_fail`)
 
     def add_request(self, req: Request, generator: torch.Generator) -> None:
         """Queue a request; `generator` drives all of its random draws.
@@ -109,9 +114,14 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests
 
     def step(self) -> list[Request]:
-        """Run one step; returns the requests that finished in it.
+        """Run one step; returns the requests that finished in it, including those whose
+        input made the step's forward, verification or proposal fail: they alone fail
+        (finish_reason "error", `Request.error` says why) and the others go on
+        (`engine.isolation`).
 
         Raises:
+            Exception: what the step raised when it was no single request's fault (every
+                request fails alone too, or the step held one request).
             RuntimeError: requests are waiting but none can be scheduled (cannot happen with
                 the admission checks of `Scheduler.add_request`; guards against a hang).
         """
@@ -123,14 +133,13 @@ class EngineCore:
             if self.has_unfinished_requests:
                 raise RuntimeError("no request could be scheduled; the KV cache is too small")
             return []
+        self._failed: list[Request] = []
         t0 = time.perf_counter()
-        logits = self.target.execute(self.kv_cache, [
-            SequenceInput(s.token_ids, s.start_pos, s.block_ids, s.num_logits)
-            for s in out.scheduled])  # [sum of num_logits, vocab_size]
-        sampled = [s for s in out.scheduled if s.num_logits]
+        logits = self._forward(out.scheduled)
+        sampled = [s for s in out.scheduled if s.request_id in logits]
         reqs = [self.scheduler.requests[s.request_id] for s in sampled]
         num_rejected, num_accepted, num_emitted = self._verify(
-            sampled, reqs, logits.split([s.num_logits for s in sampled]))
+            sampled, reqs, [logits[s.request_id] for s in sampled])
         self.step_observer.on_step_verified(out.scheduled, self.scheduler.requests, num_accepted)
         verify_time = time.perf_counter() - t0
         verified = [req for s, req in zip(sampled, reqs) if s.num_draft_tokens]
@@ -150,22 +159,45 @@ class EngineCore:
         else:
             self._propose([req for req in reqs if not req.is_finished])
         self.stats.record_step(out.stats)
-        return finished
+        return finished + self._failed
+
+    def _forward(self, scheduled: list[ScheduledRequest]) -> dict[str, torch.Tensor]:
+        """One target forward over the batch: per request that samples, its [num_logits,
+        vocab_size] logits. A request whose input makes the forward fail is failed alone."""
+        results = run_isolated(self._execute, lambda s: self._execute([s])[0], scheduled)
+        logits = {}
+        for s, result in zip(scheduled, results):
+            if isinstance(result, Exception):
+                self._fail(self.scheduler.requests[s.request_id], result)
+            elif result is not None:
+                logits[s.request_id] = result
+        return logits
+
+    def _execute(self, scheduled: list[ScheduledRequest]) -> list[torch.Tensor | None]:
+        logits = self.target.execute(self.kv_cache, [
+            SequenceInput(s.token_ids, s.start_pos, s.block_ids, s.num_logits)
+            for s in scheduled])  # [sum of num_logits, vocab_size]
+        sizes = [s.num_logits for s in scheduled if s.num_logits]
+        pieces = iter(logits.split(sizes) if sizes else ())
+        return [next(pieces) if s.num_logits else None for s in scheduled]
 
     def _verify(self, sampled: list[ScheduledRequest], reqs: list[Request],
-                logits: tuple[torch.Tensor, ...]
+                logits: list[torch.Tensor]
                 ) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
         """Rejection-sample every request that reached its last token, append what it
         emits, and return, per request id, its rejected drafts, its accepted drafts that
-        were kept, and the tokens it emitted."""
+        were kept, and the tokens it emitted. A request whose verification or output
+        processing fails is failed alone (its neighbours' draws are unchanged)."""
         rows = [self._verify_row(s, req, rows) for s, req, rows in zip(sampled, reqs, logits)]
         num_rejected, num_accepted, num_emitted = {}, {}, {}
-        for s, req, row, result in zip(sampled, reqs, rows, verify_rows(rows)):
-            if not req.output_token_ids:
-                req.metrics.first_token_time_s = time.perf_counter() - req.metrics.arrival_time
-                req.metrics.prefill_time_s = req.metrics.first_token_time_s
-            logprobs = _logprobs(req, row.logits, result.token_ids)
-            num_kept = self.processor.append(req, result.token_ids, logprobs)
+        for s, req, row, result in zip(sampled, reqs, rows, self._verify_isolated(rows)):
+            try:
+                if isinstance(result, Exception):
+                    raise result
+                num_kept = self._emit(req, row, result)
+            except Exception as exc:  # noqa: BLE001 - this request alone fails
+                self._fail(req, exc)
+                continue
             num_emitted[s.request_id] = num_kept
             num_accepted[s.request_id] = min(result.num_accepted, num_kept)
             req.spec_stats.record(s.num_draft_tokens, num_accepted[s.request_id])
@@ -173,6 +205,41 @@ class EngineCore:
                 req.spec_stats.num_emitted_tokens += num_kept
             num_rejected[s.request_id] = s.num_draft_tokens - result.num_accepted
         return num_rejected, num_accepted, num_emitted
+
+    def _verify_isolated(self, rows: list[VerifyRow]) -> list[VerifyResult | Exception]:
+        """`verify_rows`, retried row by row if it raises, with every sampled row's generator
+        first put back where it was, so each row draws what it would have drawn."""
+        states = [(r.generator, r.generator.get_state()) for r in rows
+                  if r.generator is not None and not r.params.is_greedy]
+
+        def restore() -> None:
+            for generator, state in states:
+                generator.set_state(state)
+        return run_isolated(verify_rows, lambda row: verify_rows([row])[0], rows, restore)
+
+    def _emit(self, req: Request, row: VerifyRow, result: VerifyResult) -> int:
+        """Append a verification's tokens (and logprobs) to the request; returns the number
+        kept (an earlier stop cuts the rest)."""
+        if not req.output_token_ids:
+            req.metrics.first_token_time_s = time.perf_counter() - req.metrics.arrival_time
+            req.metrics.prefill_time_s = req.metrics.first_token_time_s
+        logprobs = _logprobs(req, row.logits, result.token_ids)
+        return self.processor.append(req, result.token_ids, logprobs)
+
+    def _fail(self, req: Request, exc: Exception) -> None:
+        """Drop a request whose input made part of the step fail (finish_reason "error");
+        its blocks return to the pool and what it generated so far is kept."""
+        logger.warning("request %s failed alone and is dropped: %s: %s", req.request_id,
+                       type(exc).__name__, exc)
+        self.scheduler.abort_request(req.request_id)
+        self._forget(req.request_id)
+        req.error = f"{type(exc).__name__}: {exc}"
+        req.finish_reason = "error"
+        try:
+            req.text = self.processor.decode(req.output_token_ids)
+        except Exception:  # noqa: BLE001 - the text may be what failed
+            logger.exception("decoding the output of failed request %s", req.request_id)
+        self._failed.append(req)
 
     def _verify_row(self, s: ScheduledRequest, req: Request, logits: torch.Tensor) -> VerifyRow:
         probs = self._draft_probs.pop(s.request_id, None)
@@ -201,10 +268,15 @@ class EngineCore:
         if not asks:
             return
         t0 = time.perf_counter()
-        proposals = self.proposer.propose([ask for _, ask in asks])
+        proposals = run_isolated(self.proposer.propose,
+                                 lambda ask: self.proposer.propose([ask])[0],
+                                 [ask for _, ask in asks])
         draft_time = time.perf_counter() - t0
         self.stats.spec.draft_time_s += draft_time
         for (req, _), proposal in zip(asks, proposals):
+            if isinstance(proposal, Exception):
+                self._fail(req, proposal)
+                continue
             req.spec_token_ids = proposal.token_ids
             self._draft_probs[req.request_id] = proposal.probs
             req.spec_stats.draft_time_s += draft_time

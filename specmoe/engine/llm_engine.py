@@ -244,4 +244,4 @@ def _to_output(req: Request) -> RequestOutput:
         text=req.text, token_ids=list(req.output_token_ids),
         logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
         finish_reason=req.finish_reason, stop_reason=req.stop_reason,
-        spec_stats=req.spec_stats, metrics=req.metrics)
+        spec_stats=req.spec_stats, metrics=req.metrics, error=req.error)
