@@ -45,7 +45,16 @@ class EngineDrainingError(RuntimeError):
 
 
 class RequestFailedError(RuntimeError):
-    """The engine failed while processing this request (HTTP 500); others go on."""
+    """The engine failed while processing this request; others go on.
+
+    Attributes:
+        status: the HTTP status it maps to: 400 when the engine found that this request's
+            own input made a step fail (`EngineCore.step` isolated it), else 500.
+    """
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(slots=True)
@@ -58,7 +67,8 @@ class RequestDelta:
             character or a possible stop-string prefix until it is safe).
         token_ids: new token ids.
         logprobs: one entry per new token when the request asked for logprobs, else None.
-        finish_reason: None until the last delta, then "stop", "length" or "abort".
+        finish_reason: None until the last delta, then "stop", "length" or "abort" (an
+            aborted request's last delta carries what it generated and had not yet sent).
         output: the finished RequestOutput on the last delta.
     """
 
@@ -241,8 +251,11 @@ class AsyncEngine:
             is_streaming: push partial deltas after every step (else only the final one).
         Raises:
             EngineDrainingError: shutdown has begun.
-            QueueFullError: max_waiting requests already wait beyond the free running slots
-                (a request with n choices is admitted while the queue is not full).
+            QueueFullError: the requests would make more than max_waiting wait beyond the
+                free running slots. Each engine request counts (an HTTP request with p
+                prompts and n choices is p x n); a batch larger than max_waiting is still
+                admitted when nothing waits, so it is never refused forever (the server
+                caps one call at MAX_ENGINE_REQUESTS_PER_CALL).
         """
         if self._is_draining or not self._thread.is_alive():
             raise EngineDrainingError("the server is shutting down")
@@ -250,9 +263,11 @@ class AsyncEngine:
         now = time.perf_counter()
         streams = [RequestStream(self, r.request_id) for r in requests]
         with self._inbox.lock:
-            if self._inbox.num_waiting - self._inbox.num_free_seqs >= self.max_waiting:
-                raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests "
-                                     "waiting); retry later")
+            excess = self._inbox.num_waiting - self._inbox.num_free_seqs
+            if excess > 0 and excess + len(requests) > self.max_waiting:
+                raise QueueFullError(
+                    f"the waiting queue is full ({excess} requests wait, {len(requests)} "
+                    f"more would pass --max-waiting {self.max_waiting}); retry later")
             self._inbox.new.extend(_Tracked(r, s, loop, is_streaming, now)
                                    for r, s in zip(requests, streams))
             self._inbox.num_waiting += len(requests)
@@ -337,8 +352,25 @@ class AsyncEngine:
             logger.exception("aborting request %s failed", request_id)
         if t is None:
             return
-        self._deliver(t, error or RequestDelta(request_id, "", [], None, "abort"))
+        self._deliver(t, error or self._abort_delta(t))
         self._record(t, reason)
+
+    def _abort_delta(self, t: _Tracked) -> RequestDelta:
+        """The last delta of an aborted request: what it generated and has not yet sent
+        (a non-streaming client gets its whole partial output), finish_reason "abort"."""
+        req = t.req
+        delta = RequestDelta(req.request_id, "", req.output_token_ids[t.num_sent_tokens:],
+                             None, "abort")
+        if req.params.logprobs is not None:
+            delta.logprobs = req.output_logprobs[t.num_sent_tokens:]
+        try:
+            text = self.llm.processor.decode(req.output_token_ids)
+        except Exception:  # noqa: BLE001 - the tokens still go out
+            logger.exception("decoding aborted request %s", req.request_id)
+            return delta
+        if text.startswith(t.sent_text):
+            delta.text = text[len(t.sent_text):]
+        return delta
 
     def _abort_all(self) -> None:
         for request_id in list(self._tracked):
@@ -366,6 +398,10 @@ class AsyncEngine:
     def _finish(self, out: RequestOutput, now: float) -> None:
         t = self._tracked.pop(out.request_id, None)
         if t is None:
+            return
+        if out.finish_reason == "error":  # the engine found this request's input at fault
+            self._deliver(t, RequestFailedError(f"request failed: {out.error}", status=400))
+            self._record(t, "error")
             return
         try:
             new_ids = out.token_ids[t.num_sent_tokens:]
@@ -454,11 +490,15 @@ class AsyncEngine:
 
 def safe_stream_text(text: str, stop: list[str]) -> str:
     """The prefix of `text` that can be streamed now: without a trailing U+FFFD (an incomplete
-    UTF-8 character decodes as one) and, when stop strings are set, without the last
-    len(longest stop) - 1 characters (they may become the start of a stop string, which is
-    cut from the output)."""
+    UTF-8 character decodes as one) and without its longest suffix that begins some stop
+    string (more tokens may complete that stop string, which the final text cuts). So a
+    stream never shows what the non-streamed text would not."""
     text = text.rstrip("\ufffd")
-    if stop:
-        hold = max(len(s) for s in stop) - 1
-        text = text[:len(text) - hold] if hold else text
+    if not stop:
+        return text
+    longest = max(len(s) for s in stop)
+    for start in range(max(0, len(text) - longest + 1), len(text)):
+        tail = text[start:]
+        if any(s.startswith(tail) for s in stop):
+            return text[:start]
     return text

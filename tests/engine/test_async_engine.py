@@ -109,8 +109,26 @@ def test_stream_never_splits_utf8_or_leaks_stop(llm, stop):
 
 def test_safe_stream_text():
     assert safe_stream_text("ab\ufffd", []) == "ab"
-    assert safe_stream_text("hello wo", ["world"]) == "hell"
+    assert safe_stream_text("hello wo", ["world"]) == "hello "
     assert safe_stream_text("hello", ["x"]) == "hello"
+    # D3: text shorter than the longest stop string (a negative slice showed ' h', ' the Unite')
+    assert safe_stream_text(" ha", ["ha ha"]) == " "
+    assert safe_stream_text(" the Unite", ["United States"]) == " the "
+    assert safe_stream_text(" the Uni", ["x", "United States"]) == " the "
+    assert safe_stream_text("abc", ["United States"]) == "abc"
+
+
+@pytest.mark.parametrize("text,stop", [(" ha ha, and more", "ha ha"),
+                                       (" the United States is", "United States")])
+def test_stream_never_shows_what_the_stop_string_cuts(llm, text, stop):
+    """D3 end to end: one token per step, every streamed piece is a prefix of the final text
+    (which ends before the stop string)."""
+    ids = llm.tokenizer.encode(text, add_special_tokens=False)
+    fake = ScriptedLLM(llm.tokenizer, ids)
+    req = Request("r", "p", [1], SamplingParams(max_tokens=len(ids), stop=[stop]))
+    pieces, final = asyncio.run(_stream(AsyncEngine(fake), req))
+    assert final == text.split(stop)[0]
+    assert "".join(pieces) == final
 
 
 def test_failed_step_fails_its_requests_and_engine_goes_on(llm, monkeypatch):
@@ -161,3 +179,55 @@ def test_queue_full_and_abort_frees_blocks(llm):
     asyncio.run(run())
     assert llm.engine.scheduler.kv_cache.block_pool.num_used_blocks == 0
     assert not llm.engine.has_unfinished_requests
+
+
+def test_admission_counts_engine_requests(llm):
+    """D5: an HTTP request's prompts x n count against max_waiting, not as one; a batch larger
+    than max_waiting is still admitted when nothing waits (it would never be otherwise)."""
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def run() -> None:
+        engine = AsyncEngine(llm, max_waiting=4)
+        engine.start()
+        make = lambda k: [llm.make_request("Hi", params) for _ in range(k)]  # noqa: E731
+        streams = engine.submit(make(10), True)  # idle: admitted whole (4 run, 6 wait)
+        await anext(aiter(streams[0]))
+        with pytest.raises(QueueFullError, match="6 requests wait"):
+            engine.submit(make(1), True)
+        for s in streams[:3]:
+            s.abort()  # 3 fewer waiting: 3 wait beyond the free slots
+        while engine._inbox.num_waiting - engine._inbox.num_free_seqs > 3:
+            await asyncio.sleep(0.01)
+        with pytest.raises(QueueFullError):
+            engine.submit(make(2), True)  # 3 + 2 > 4
+        streams += engine.submit(make(1), True)  # 3 + 1 <= 4
+        for s in streams:
+            s.abort()
+        assert await engine.wait_idle(60)
+        await engine.shutdown(1.0)
+
+    asyncio.run(run())
+    assert llm.engine.scheduler.kv_cache.block_pool.num_used_blocks == 0
+
+
+def test_abort_returns_what_was_generated(llm):
+    """An aborted non-streaming request (drain timeout, abort_all) still gets its partial
+    output, finish_reason "abort", like the streaming one beside it."""
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def run():
+        engine = AsyncEngine(llm)
+        engine.start()
+        quiet = engine.submit([llm.make_request("Once upon a time", params)], False)[0]
+        streaming = engine.submit([llm.make_request("Once upon a time", params)], True)[0]
+        for _ in range(3):
+            await anext(aiter(streaming))
+        engine.abort_all()
+        deltas = [d async for d in quiet]
+        await engine.shutdown(1.0)
+        return deltas
+
+    deltas = asyncio.run(run())
+    assert len(deltas) == 1 and deltas[0].finish_reason == "abort"
+    assert len(deltas[0].token_ids) >= 3
+    assert deltas[0].text == llm.processor.decode(deltas[0].token_ids) and deltas[0].text.strip()

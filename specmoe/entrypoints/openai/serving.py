@@ -222,7 +222,8 @@ class OpenAIServing:
         first: every stream is aborted and the request ends quietly (one info line).
 
         Raises:
-            APIError: 500 when the engine failed a choice.
+            APIError: 400 when the engine found a choice's input made a step fail, 500 when
+                it failed otherwise.
         """
         task = asyncio.ensure_future(self._drain(streams, choices))
         try:
@@ -235,7 +236,7 @@ class OpenAIServing:
                     return False
             task.result()
         except RequestFailedError as exc:
-            raise APIError(500, str(exc), None, "engine_error") from exc
+            raise _engine_error(exc) from exc
         finally:
             task.cancel()
             for s in streams:
@@ -262,7 +263,7 @@ class OpenAIServing:
             if usage is not None:
                 yield _event(usage)
         except RequestFailedError as exc:
-            yield _event(APIError(500, str(exc), None, "engine_error").response().body)
+            yield _event(_engine_error(exc).response().body)
         yield "data: [DONE]\n\n"
 
     # ---- shared formatting helpers ---------------------------------------------------
@@ -449,6 +450,12 @@ def _event(chunk: BaseModel | bytes) -> str:
 def _bad_request(exc: ValueError) -> APIError:
     match = _PARAM_IN_MESSAGE.match(str(exc))
     return APIError(400, str(exc), match.group(1) if match else None)
+
+
+def _engine_error(exc: RequestFailedError) -> APIError:
+    """400 when the engine isolated this request as the cause of a failed step, else 500."""
+    code = "invalid_request" if exc.status < 500 else "engine_error"
+    return APIError(exc.status, str(exc), None, code)
 
 
 def _printable(text: str | None) -> str | None:
