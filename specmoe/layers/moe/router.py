@@ -24,9 +24,29 @@ class RoutingResult:
     topk_weights: torch.Tensor
 
 
+def select_experts(probs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top_k experts of each row, heaviest first; among equal weights the lower expert
+    id wins (and comes first).
+
+    `torch.topk` leaves ties to the backend (on CPU it picked 9 over 4 at a boundary tie, and
+    (22, 21, 20, 23) from all-equal weights); bfloat16 router logits tie exactly at the top-k
+    boundary in about 1% of rows, so routing, and with it the output, would depend on the
+    device. A stable descending sort fixes the rule, the one vLLM's grouped top-k uses.
+
+    Args:
+        probs: [T, N] float routing weights.
+        top_k: k, 1 <= k <= N.
+    Returns:
+        (weights [T, k] probs' dtype, ids [T, k] int64).
+    """
+    weights, ids = probs.sort(dim=-1, descending=True, stable=True)
+    return weights[:, :top_k].contiguous(), ids[:, :top_k].contiguous()
+
+
 class TopKRouter(nn.Module):
-    """softmax(x @ W_gate^T) in float32, keep the top_k experts, optionally renormalise their
-    weights to sum to 1 (`norm_topk_prob`; Mixtral always does, Qwen-MoE/OLMoE by config).
+    """softmax(x @ W_gate^T) in float32, keep the top_k experts (ties: lower id wins, see
+    `select_experts`), optionally renormalise their weights to sum to 1 (`norm_topk_prob`;
+    Mixtral always does, Qwen-MoE/OLMoE by config).
 
     Args:
         hidden_size: H.
@@ -45,7 +65,7 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> RoutingResult:
         """x [T, H] -> RoutingResult with [T, top_k] ids and weights."""
         probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, N]
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        weights, ids = select_experts(probs, self.top_k)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return RoutingResult(ids, weights.to(x.dtype))
