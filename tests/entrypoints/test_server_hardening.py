@@ -96,6 +96,12 @@ BAD = [
     ("completions", {"best_of": 3}, "best_of"),
     ("chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),
     ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+    # D4: a lone surrogate cannot be encoded (the tokenizer raised a TypeError: a 500)
+    ("completions", {"prompt": "hi \ud800 there"}, "prompt"),
+    ("completions", {"prompt": ["ok", "\udfff"]}, "prompt"),
+    ("completions", {"stop": ["\ud800"]}, "stop"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "a\ud800"}]},
+     "messages.0.content"),
     # D5: prompts x n above MAX_ENGINE_REQUESTS_PER_CALL
     ("completions", {"prompt": [PROMPT] * 17, "n": 16}, "prompt"),
 ]
