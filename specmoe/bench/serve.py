@@ -11,16 +11,19 @@ SLOs (TTFT <= slo_ttft_s and TPOT <= slo_tpot_s), as vLLM's benchmark_serving de
 When the server exposes Prometheus metrics at <base>/metrics (ours does), they are sampled
 during the run: resident memory, KV cache blocks used, requests running and waiting; the
 last sample is taken after the load has ended, so a soak run shows whether every KV block
-came back and whether memory stayed steady.
+came back and whether memory stayed steady. `specmoe.bench.chaos` builds a soak on this load
+generator that mixes hostile clients into the valid traffic and checks that they hurt nobody.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -29,7 +32,8 @@ import numpy as np
 from specmoe.utils.data import load_prompts
 
 SCRAPED = ("process_resident_memory_bytes", "specmoe:kv_cache_blocks_used",
-           "specmoe:num_requests_running", "specmoe:num_requests_waiting")
+           "specmoe:kv_cache_usage_perc", "specmoe:num_requests_running",
+           "specmoe:num_requests_waiting", "specmoe:num_requests_in_flight")
 
 
 @dataclass
@@ -96,9 +100,11 @@ class RequestResult:
     Attributes:
         status: HTTP status (0: no response, e.g. connection refused or timeout).
         error: the error text, if any (an HTTP error body or an error event mid-stream).
+        kind: "valid", or the hostile action of a chaos run (`specmoe.bench.chaos`).
     """
 
     start_s: float
+    kind: str = "valid"
     status: int = 0
     ttft_s: float | None = None
     e2e_s: float | None = None
@@ -127,43 +133,60 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict:
 
 
 async def _run(cfg: ServeBenchConfig) -> dict:
-    prompts = _prompts(cfg)
-    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    limits = httpx.Limits(max_connections=cfg.concurrency + 2)
-    async with httpx.AsyncClient(headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(cfg.timeout_s, connect=30.0)) as client:
-        model = cfg.model or await _first_model(client, cfg.base_url)
+    prompts = prompt_texts(cfg)
+    async with open_client(cfg) as client:
+        model = cfg.model or await first_model(client, cfg.base_url)
         samples: list[dict] = []
-        scraper = asyncio.create_task(_scrape_loop(client, cfg, samples))
+        scraper = asyncio.create_task(scrape_loop(client, cfg, samples))
         t0 = time.perf_counter()
-        results = await _send_all(client, cfg, model, prompts, t0)
+        results = await send_all(cfg, t0, lambda i: send_valid(
+            client, cfg, body_for(cfg, model, prompts[i % len(prompts)]), t0))
         wall_s = time.perf_counter() - t0
         scraper.cancel()
         await asyncio.sleep(1.0)  # let the server publish its state after the last request
-        final = await _scrape(client, cfg.base_url)
+        final = await scrape(client, cfg.base_url)
         if final is not None:
             samples.append({"t_s": time.perf_counter() - t0, **final})
-    config = asdict(cfg) | {"model": model, "api_key": "<set>" if cfg.api_key else None}
-    return {"config": config, "wall_s": wall_s,  # the key itself is never written
+    return {"config": public_config(cfg, model), "wall_s": wall_s,
             "summary": summarize(results, wall_s, cfg),
             "metrics_samples": samples, "requests": [asdict(r) for r in results]}
 
 
-def _prompts(cfg: ServeBenchConfig) -> list[str]:
+def open_client(cfg: ServeBenchConfig) -> httpx.AsyncClient:
+    """A client with the bearer token, `timeout_s` per request and a connection for every
+    request in flight."""
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    limits = httpx.Limits(max_connections=cfg.concurrency + 2)
+    return httpx.AsyncClient(headers=headers, limits=limits,
+                             timeout=httpx.Timeout(cfg.timeout_s, connect=30.0))
+
+
+def public_config(cfg: ServeBenchConfig, model: str) -> dict:
+    """`cfg` as JSON, with the model used; the API key itself is never written."""
+    return asdict(cfg) | {"model": model, "api_key": "<set>" if cfg.api_key else None}
+
+
+def prompt_texts(cfg: ServeBenchConfig) -> list[str]:
+    """The prompts of `cfg.datasets`, shuffled by `cfg.seed`.
+
+    Raises:
+        FileNotFoundError: prompt data missing.
+    """
     texts = [p.text for d in cfg.datasets for p in load_prompts(d)]
     random.Random(cfg.seed).shuffle(texts)
     return texts
 
 
-async def _send_all(client: httpx.AsyncClient, cfg: ServeBenchConfig, model: str,
-                    prompts: list[str], t0: float) -> list[RequestResult]:
-    """Send requests at the configured rate, at most `concurrency` in flight, until
-    num_requests were sent or duration_s passed; wait for them all."""
+async def send_all(cfg: ServeBenchConfig, t0: float,
+                   send: Callable[[int], Awaitable[RequestResult]]) -> list[RequestResult]:
+    """Await `send(i)` for i = 0, 1, ... at the configured rate, at most `concurrency` in
+    flight, until num_requests were sent or duration_s seconds passed since `t0` (a
+    perf_counter time); wait for them all. Returns their results in sending order."""
     rng = random.Random(cfg.seed + 1)
     slots = asyncio.Semaphore(cfg.concurrency)
     tasks: list[asyncio.Task] = []
     next_send = 0.0
-    for i in range(10**9):
+    for i in itertools.count():
         if cfg.duration_s is None and i >= cfg.num_requests:
             break
         if cfg.duration_s is not None and time.perf_counter() - t0 >= cfg.duration_s:
@@ -172,12 +195,29 @@ async def _send_all(client: httpx.AsyncClient, cfg: ServeBenchConfig, model: str
             next_send += rng.expovariate(cfg.request_rate)
             await asyncio.sleep(max(0.0, t0 + next_send - time.perf_counter()))
         await slots.acquire()
-        body = _body(cfg, model, prompts[i % len(prompts)])
-        tasks.append(asyncio.create_task(_one(client, cfg, body, t0, slots)))
+        tasks.append(asyncio.create_task(_release_after(send(i), slots)))
     return list(await asyncio.gather(*tasks))
 
 
-def _body(cfg: ServeBenchConfig, model: str, text: str) -> dict:
+async def send_burst(cfg: ServeBenchConfig, t0: float, num_requests: int,
+                     send: Callable[[int], Awaitable[RequestResult]]) -> list[RequestResult]:
+    """`send_all` for exactly `num_requests`, as fast as the concurrency cap allows (a
+    warm-up)."""
+    burst = replace(cfg, num_requests=num_requests, duration_s=None,
+                    request_rate=float("inf"))
+    return await send_all(burst, t0, send)
+
+
+async def _release_after(request: Awaitable[RequestResult],
+                         slots: asyncio.Semaphore) -> RequestResult:
+    try:
+        return await request
+    finally:
+        slots.release()
+
+
+def body_for(cfg: ServeBenchConfig, model: str, text: str) -> dict:
+    """The JSON body of a valid streaming request for `text` (chat message or raw prompt)."""
     body = {"model": model, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature,
             "stream": True, "stream_options": {"include_usage": True}}
     if cfg.ignore_eos:
@@ -189,13 +229,18 @@ def _body(cfg: ServeBenchConfig, model: str, text: str) -> dict:
     return body
 
 
-async def _one(client: httpx.AsyncClient, cfg: ServeBenchConfig, body: dict, t0: float,
-               slots: asyncio.Semaphore) -> RequestResult:
+def endpoint_url(cfg: ServeBenchConfig) -> str:
+    return cfg.base_url + ("/chat/completions" if cfg.endpoint == "chat" else "/completions")
+
+
+async def send_valid(client: httpx.AsyncClient, cfg: ServeBenchConfig, body: dict,
+                     t0: float) -> RequestResult:
+    """Send one streaming request and read it to the end; never raises (a failure is in
+    the result's status and error)."""
     start = time.perf_counter()
     result = RequestResult(start_s=start - t0)
-    path = "/chat/completions" if cfg.endpoint == "chat" else "/completions"
     try:
-        async with client.stream("POST", cfg.base_url + path, json=body) as resp:
+        async with client.stream("POST", endpoint_url(cfg), json=body) as resp:
             result.status = resp.status_code
             if resp.status_code != 200:
                 result.error = (await resp.aread()).decode(errors="replace")[:500]
@@ -204,7 +249,6 @@ async def _one(client: httpx.AsyncClient, cfg: ServeBenchConfig, body: dict, t0:
     except (httpx.HTTPError, OSError, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     finally:
-        slots.release()
         if result.e2e_s is None and result.error is None:
             result.e2e_s = time.perf_counter() - start
     return result
@@ -242,23 +286,30 @@ def _content(choice: dict) -> str:
     return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
 
 
-async def _first_model(client: httpx.AsyncClient, base_url: str) -> str:
+async def first_model(client: httpx.AsyncClient, base_url: str) -> str:
+    """The id of the first model of GET <base_url>/models.
+
+    Raises:
+        httpx.HTTPStatusError: the server answered with an error status.
+    """
     resp = await client.get(base_url + "/models")
     resp.raise_for_status()
     return resp.json()["data"][0]["id"]
 
 
-async def _scrape_loop(client: httpx.AsyncClient, cfg: ServeBenchConfig,
-                       samples: list[dict]) -> None:
+async def scrape_loop(client: httpx.AsyncClient, cfg: ServeBenchConfig,
+                      samples: list[dict]) -> None:
+    """Append a `scrape` sample to `samples` every metrics_interval_s seconds, until
+    cancelled."""
     t0 = time.perf_counter()
     while True:
-        sample = await _scrape(client, cfg.base_url)
+        sample = await scrape(client, cfg.base_url)
         if sample is not None:
             samples.append({"t_s": time.perf_counter() - t0, **sample})
         await asyncio.sleep(cfg.metrics_interval_s)
 
 
-async def _scrape(client: httpx.AsyncClient, base_url: str) -> dict | None:
+async def scrape(client: httpx.AsyncClient, base_url: str) -> dict | None:
     """The SCRAPED gauges and the HTTP status counts from <root>/metrics; None if absent."""
     from prometheus_client.parser import text_string_to_metric_families
     root = base_url.rstrip("/").removesuffix("/v1")
@@ -349,17 +400,18 @@ def _metrics_lines(samples: list[dict]) -> list[str]:
                      f"last {rss[-1]:.0f} MiB")
     for name in SCRAPED[1:]:
         if name in last:
-            lines.append(f"- {name} at the end: {last[name]:.0f}")
+            lines.append(f"- {name} at the end: {last[name]:g}")
     if "http_responses" in last:
         lines.append("- HTTP responses by status since the server started: "
                      f"{last['http_responses']}")
     return lines
 
 
-def write_report(results: dict, out: Path) -> list[Path]:
-    """Write results.json and report.md into `out`; returns their paths."""
+def write_report(results: dict, out: Path, markdown: str | None = None) -> list[Path]:
+    """Write results.json and report.md (`markdown`, default `render_markdown(results)`)
+    into `out`; returns their paths."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "results.json", out / "report.md"]
     paths[0].write_text(json.dumps(results, indent=1))
-    paths[1].write_text(render_markdown(results))
+    paths[1].write_text(render_markdown(results) if markdown is None else markdown)
     return paths

@@ -118,6 +118,16 @@ def build_prompts(cfg: ThroughputBenchConfig, llm) -> list[dict]:
     return out[:pool]
 
 
+def fitting_prompts(prompts: list[dict], max_tokens: int,
+                    max_model_len: int) -> tuple[list[dict], list[dict]]:
+    """(prompts that fit, prompts skipped): a prompt fits when its tokens plus `max_tokens`
+    output tokens are at most `max_model_len` (every request generates max_tokens, EOS
+    ignored; a longer one would be refused, or cut short at the context's end)."""
+    fit = [p for p in prompts if len(p["token_ids"]) + max_tokens <= max_model_len]
+    skipped = [p for p in prompts if len(p["token_ids"]) + max_tokens > max_model_len]
+    return fit, skipped
+
+
 def _load(dataset: str):
     if dataset == "spec_bench":  # its first 80 rows repeat MT-Bench: take its own tasks
         return load_prompts(dataset, categories=SPEC_BENCH_CATEGORIES)
@@ -279,7 +289,13 @@ def warm_up(engines: dict, prompts: list[dict]) -> None:
 
 
 def run_throughput_bench(cfg: ThroughputBenchConfig) -> dict:
-    """Run everything `cfg` asks for; returns the JSON-ready results."""
+    """Run everything `cfg` asks for; returns the JSON-ready results. Prompts too long for
+    the context with max_tokens more (`fitting_prompts`) are left out and listed under
+    "skipped_prompts"; a run that fails is kept with its "error" (`num_failed_runs`).
+
+    Raises:
+        ValueError: no prompt fits the model's context with max_tokens more.
+    """
     import torch
 
     from specmoe.bench.roofline import PROBE_BYTES, measure_peak_flops, measure_read_bandwidth
@@ -294,7 +310,13 @@ def run_throughput_bench(cfg: ThroughputBenchConfig) -> dict:
            "int4_batch_invariant": gemv_int4.batch_invariant_in_effect()}
     engines = build_engines(cfg)
     load_s = time.perf_counter() - t0
-    prompts = build_prompts(cfg, engines["plain"])
+    max_model_len = engines["plain"].max_model_len
+    prompts, skipped = fitting_prompts(build_prompts(cfg, engines["plain"]), cfg.max_tokens,
+                                       max_model_len)
+    if not prompts:
+        raise ValueError(f"all {len(skipped)} prompts are too long for max_model_len="
+                         f"{max_model_len} with max_tokens={cfg.max_tokens}: lower "
+                         "--max-tokens or choose shorter --datasets")
     warm_up(engines, prompts)
     # the host's memory bandwidth drifts by tens of percent: C=1, bound by it, moves with
     # it while large C, bound by compute, does not, so the scaling ratios shift with it
@@ -310,12 +332,22 @@ def run_throughput_bench(cfg: ThroughputBenchConfig) -> dict:
     env["matmul_counts"] = add_floors(runs, target.arch, env["peak_flops"])
     rows = aggregate(runs)
     return {"config": dataclasses.asdict(cfg), "environment": env, "load_seconds": load_s,
-            "prompts": [{k: p[k] for k in ("dataset", "category")}
-                        | {"num_tokens": len(p["token_ids"])} for p in prompts],
+            "max_model_len": max_model_len, "prompts": _prompt_rows(prompts),
+            "skipped_prompts": _prompt_rows(skipped),
             "rows": rows, "ratios": ratios(runs),
             "target": target_line(runs, cfg.target_concurrency, cfg.target_ratio),
             "slowest_steps": slowest_steps(runs), "runs": runs,
             "total_seconds": time.perf_counter() - t0}
+
+
+def _prompt_rows(prompts: list[dict]) -> list[dict]:
+    return [{k: p[k] for k in ("dataset", "category")} | {"num_tokens": len(p["token_ids"])}
+            for p in prompts]
+
+
+def num_failed_runs(results: dict) -> int:
+    """Runs of `run_throughput_bench` results that raised."""
+    return sum("error" in r for r in results["runs"])
 
 
 def add_floors(runs: list[dict], arch: ArchConfig, peak_flops: float) -> dict:

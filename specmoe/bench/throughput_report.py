@@ -79,9 +79,15 @@ def _bandwidth(env: dict) -> str:
 
 
 def caveats(results: dict) -> list[str]:
-    """Reasons not to trust the ratios: a busy machine (load average before the run plus
+    """Reasons not to trust the ratios: prompts skipped as too long for the context (the
+    prompt mix is not the one asked for), a busy machine (load average before the run plus
     our torch threads above the CPU count), repetitions that disagree by more than 30%."""
     env, out = results["environment"], []
+    if skipped := results.get("skipped_prompts"):
+        out.append(f"{len(skipped)} of {len(skipped) + len(results['prompts'])} prompts "
+                   f"skipped: with {results['config']['max_tokens']} output tokens they "
+                   f"exceed the context of {results['max_model_len']} tokens (lengths "
+                   f"{_lengths(skipped)}); the runs use the {len(results['prompts'])} others")
     busy = env["load_average_start"] + env["torch_num_threads"]
     if busy > env["cpu_count"] + 0.5:
         out.append(f"the machine was busy (load average {env['load_average_start']:.1f} "

@@ -204,23 +204,36 @@ def add_bench_serve_parser(bench) -> None:
     sv.add_argument("--seed", type=int, default=d.seed)
     sv.add_argument("--out", default=None,
                     help="report directory (default: out/bench-serve-<date>-<time>)")
+    add_bench_chaos_args(sv)
+
+
+def add_bench_chaos_args(sv) -> None:
+    from specmoe.bench.chaos import ChaosConfig
+    d = ChaosConfig()
+    sv.add_argument("--chaos", type=float, default=d.rate, metavar="RATE",
+                    help="fraction of requests that are hostile (bad bodies, disconnects, "
+                         "cancels), in [0, 1]; the run then checks that no valid request "
+                         "failed, no hostile one got a 5xx, the server went idle and memory "
+                         "stayed flat, and exits 1 if not (default: 0, off)")
+    sv.add_argument("--chaos-grace", type=float, default=d.grace_s,
+                    help="seconds the server gets to go idle after the load "
+                         "(default: %(default)s)")
+    sv.add_argument("--chaos-cancel-after", type=float, default=d.cancel_after_s,
+                    help="seconds after which a cancelling client gives up "
+                         "(default: %(default)s)")
+    sv.add_argument("--chaos-max-request-bytes", type=int, default=d.max_request_bytes,
+                    help="the server's --max-request-bytes; the oversize body is one byte "
+                         "more (default: %(default)s)")
 
 
 def cmd_bench_serve(args) -> int:
-    import os
     import time
     from pathlib import Path
 
-    from specmoe.bench.serve import ServeBenchConfig, render_markdown, run_serve_bench, write_report
-    cfg = ServeBenchConfig(
-        base_url=args.base_url.rstrip("/"), model=args.model,
-        api_key=args.api_key or os.environ.get("SPECMOE_API_KEY"), endpoint=args.endpoint,
-        datasets=args.datasets, num_requests=args.num_requests,
-        duration_s=args.duration, request_rate=args.request_rate,
-        concurrency=args.concurrency, max_tokens=args.max_tokens,
-        temperature=args.temperature, ignore_eos=args.ignore_eos, slo_ttft_s=args.slo_ttft,
-        slo_tpot_s=args.slo_tpot, seed=args.seed)
-    results = run_serve_bench(cfg)
+    from specmoe.bench.serve import render_markdown, run_serve_bench, write_report
+    if args.chaos:
+        return cmd_bench_chaos(args)
+    results = run_serve_bench(bench_serve_config(args))
     out = Path(args.out or f"out/bench-serve-{time.strftime('%Y%m%d-%H%M')}")
     print(render_markdown(results))
     for path in write_report(results, out):
@@ -228,11 +241,47 @@ def cmd_bench_serve(args) -> int:
     return 1 if results["summary"]["num_5xx"] else 0
 
 
-def cmd_bench_throughput(args) -> None:
+def bench_serve_config(args):
+    import os
+
+    from specmoe.bench.serve import ServeBenchConfig
+    return ServeBenchConfig(
+        base_url=args.base_url.rstrip("/"), model=args.model,
+        api_key=args.api_key or os.environ.get("SPECMOE_API_KEY"), endpoint=args.endpoint,
+        datasets=args.datasets, num_requests=args.num_requests,
+        duration_s=args.duration, request_rate=args.request_rate,
+        concurrency=args.concurrency, max_tokens=args.max_tokens,
+        temperature=args.temperature, ignore_eos=args.ignore_eos, slo_ttft_s=args.slo_ttft,
+        slo_tpot_s=args.slo_tpot, seed=args.seed)
+
+
+def cmd_bench_chaos(args) -> int:
+    """`bench serve --chaos RATE`: 0 when every check passed, else 1."""
     import time
     from pathlib import Path
 
-    from specmoe.bench.throughput import ThroughputBenchConfig, run_throughput_bench
+    from specmoe.bench.chaos import (ChaosConfig, is_passed, render_chaos_markdown,
+                                     run_chaos_bench)
+    from specmoe.bench.serve import write_report
+    chaos = ChaosConfig(rate=args.chaos, grace_s=args.chaos_grace,
+                        cancel_after_s=args.chaos_cancel_after,
+                        max_request_bytes=args.chaos_max_request_bytes)
+    results = run_chaos_bench(bench_serve_config(args), chaos)
+    out = Path(args.out or f"out/bench-serve-chaos-{time.strftime('%Y%m%d-%H%M')}")
+    report = render_chaos_markdown(results)
+    print(report)
+    for path in write_report(results, out, report):
+        print(path)
+    return 0 if is_passed(results) else 1
+
+
+def cmd_bench_throughput(args) -> int:
+    """0 when every run succeeded, else 1 (the report lists the errors)."""
+    import time
+    from pathlib import Path
+
+    from specmoe.bench.throughput import (ThroughputBenchConfig, num_failed_runs,
+                                          run_throughput_bench)
     from specmoe.bench.throughput_report import (bound_sentence, caveats, target_sentence,
                                                  write_report)
     cfg = ThroughputBenchConfig(
@@ -254,6 +303,11 @@ def cmd_bench_throughput(args) -> None:
             print(line.replace("**", ""))
     for caveat in caveats(results):
         print(f"caveat: {caveat}")
+    if failed := num_failed_runs(results):
+        print(f"specmoe: error: {failed} of {len(results['runs'])} runs failed, first: "
+              f"{next(r['error'] for r in results['runs'] if 'error' in r)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def cmd_bench_spec(args) -> None:
@@ -343,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "serve":
             cmd_serve(args)
         elif args.command == "bench" and args.bench == "throughput":
-            cmd_bench_throughput(args)
+            return cmd_bench_throughput(args)
         elif args.command == "bench" and args.bench == "serve":
             return cmd_bench_serve(args)
         elif args.command == "bench":

@@ -1,0 +1,59 @@
+"""`specmoe bench throughput` on a model whose context cannot hold every prompt (tiny-moe: 512
+tokens; Spec-Bench's third prompt has 1116): the prompts that cannot fit are skipped and
+counted, not run to fail every run, and the command exits non-zero when runs fail or no
+prompt fits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specmoe.bench import throughput
+from specmoe.bench.throughput import fitting_prompts
+from specmoe.entrypoints.cli import main
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# Spec-Bench and MT-Bench interleaved: token lengths 56, 52, 1116, 55 under tiny-moe
+SMALL_RUN = ["bench", "throughput", "--model", "tiny-moe", "--draft", "none",
+             "--concurrency", "1,2", "--num-requests", "4", "--max-tokens", "8", "--reps", "1"]
+
+
+def _prompt(n: int) -> dict:
+    return {"dataset": "d", "category": "c", "token_ids": [1] * n}
+
+
+def test_a_prompt_fits_when_its_tokens_and_the_output_fit_the_context():
+    fit, skipped = fitting_prompts([_prompt(504), _prompt(505), _prompt(3)], 8, 512)
+    assert [len(p["token_ids"]) for p in fit] == [504, 3]
+    assert [len(p["token_ids"]) for p in skipped] == [505]
+
+
+@pytest.mark.slow
+def test_too_long_prompts_are_skipped_and_counted_and_every_run_succeeds(tmp_path, capsys):
+    rc = main([*SMALL_RUN, "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [r.get("error") for r in results["runs"]] == [None, None]
+    assert rc == 0
+    assert [p["num_tokens"] for p in results["skipped_prompts"]] == [1116]
+    assert len(results["prompts"]) == 3 and results["max_model_len"] == 512
+    assert all(q["num_prompt_tokens"] + 8 <= 512 and q["num_tokens"] == 8
+               for r in results["runs"] for q in r["requests"])
+    assert "1 of 4 prompts skipped" in (tmp_path / "report.md").read_text()
+    assert "caveat: 1 of 4 prompts skipped" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:No artists with labels")  # the plot of no successful run
+def test_failed_runs_exit_non_zero(tmp_path, monkeypatch, capsys):
+    def fail(*args, **kwargs):
+        raise RuntimeError("boom")
+    monkeypatch.setattr(throughput, "run_once", fail)
+    assert main([*SMALL_RUN, "--out", str(tmp_path)]) == 1
+    assert "2 of 2 runs failed, first: RuntimeError: boom" in capsys.readouterr().err
+
+
+def test_no_prompt_that_fits_is_an_error(tmp_path, capsys):
+    assert main([*SMALL_RUN, "--max-tokens", "600", "--out", str(tmp_path)]) == 2
+    assert "all 4 prompts are too long for max_model_len=512 with max_tokens=600" \
+        in capsys.readouterr().err
