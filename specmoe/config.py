@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 SPECULATIVE_METHODS = ("ngram", "draft")
 QUANTIZATION_METHODS = ("int8", "int4")
+# How routed experts run (`specmoe.layers.moe.backends`): "auto" picks per device and kernels.
+MOE_BACKEND_CHOICES = ("auto", "grouped", "grouped_mm", "reference")
 
 
 @dataclass
@@ -109,6 +111,11 @@ class ModelConfig:
         max_model_len: context limit in tokens (None: the model's max_position_embeddings).
         quantization: None (weights in `dtype`), "int8" or "int4" weight-only quantisation of
             the dense projections (see `specmoe.layers.quantization`).
+        moe_backend: how a MoE model's routed experts run: "grouped" (a loop over active
+            experts on the native decode kernel), "grouped_mm" (sorted tokens and two grouped
+            matmuls: no Python loop, any device), "reference" (per token; slow, the oracle)
+            or "auto" ("grouped" on a CPU where the bf16 kernel runs, else "grouped_mm").
+            Ignored by dense models.
     """
 
     model: str
@@ -116,11 +123,15 @@ class ModelConfig:
     device: str | None = None
     max_model_len: int | None = None
     quantization: str | None = None
+    moe_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"invalid dtype={self.dtype!r}: must be one of {SUPPORTED_DTYPES}")
         _check_quantization("quantization", self.quantization)
+        if self.moe_backend not in MOE_BACKEND_CHOICES:
+            raise ValueError(f"invalid moe_backend={self.moe_backend!r}: must be one of "
+                             f"{MOE_BACKEND_CHOICES}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"invalid max_model_len={self.max_model_len}: must be >= 2")
 

@@ -45,6 +45,8 @@ class LLM:
         quantization: None, "int8" or "int4" weight-only quantisation of the target.
         scheduler: a SchedulerConfig or a dict of its fields (continuous batching limits and
             the KV cache size), e.g. {"max_num_seqs": 16}.
+        moe_backend: how a MoE target's routed experts run ("auto", "grouped",
+            "grouped_mm", "reference"; see `ModelConfig.moe_backend`).
 
     Raises:
         FileNotFoundError, ValueError: bad path, unsupported model, bad option, a draft
@@ -55,14 +57,16 @@ class LLM:
                  dtype: str = "float32", device: str | None = None,
                  max_model_len: int | None = None, seed: int = 0,
                  quantization: str | None = None,
-                 scheduler: SchedulerConfig | dict | None = None) -> None:
+                 scheduler: SchedulerConfig | dict | None = None,
+                 moe_backend: str = "auto") -> None:
         if isinstance(speculative, dict):
             speculative = SpeculativeConfig(**speculative)
         if isinstance(scheduler, dict):
             scheduler = SchedulerConfig(**scheduler)
         dtype = resolve_dtype(dtype, device)
         self.config = EngineConfig(
-            ModelConfig(model, dtype, device, max_model_len, quantization), speculative, seed,
+            ModelConfig(model, dtype, device, max_model_len, quantization, moe_backend),
+            speculative, seed,
             scheduler or SchedulerConfig())
         loaded = load_model(self.config.model)
         self.target = ModelRunner(loaded)

@@ -13,6 +13,7 @@ from specmoe import kernels
 from specmoe.config import ArchConfig, ModelConfig
 from specmoe.kernels.build import cpu_reason
 from specmoe.layers.linear import prepack_weights
+from specmoe.layers.moe.backends import moe_blocks, resolve_moe_backend, set_moe_backend
 from specmoe.layers.quantization import quantize_model
 from specmoe.loader.aliases import resolve_model_path
 from specmoe.loader.hf_dir import iter_safetensors, read_hf_config
@@ -80,11 +81,7 @@ def resolve_dtype(dtype: str, device: str | None) -> str:
     batch shape, so only float32 keeps that equality there)."""
     if dtype != "auto":
         return dtype
-    if resolve_device(device).type != "cpu" or not kernels.is_enabled():
-        return "float32"
-    if cpu_reason(kernels.REQUIRED_CPU_FLAGS) is not None:  # no kernel build, no warning
-        return "float32"
-    return "bfloat16" if kernels.kernel_unavailable_reason() is None else "float32"
+    return "bfloat16" if _native_bf16(resolve_device(device), torch.bfloat16) else "float32"
 
 
 def load_model(config: ModelConfig) -> LoadedModel:
@@ -107,11 +104,22 @@ def load_model(config: ModelConfig) -> LoadedModel:
     if config.quantization is not None:
         quantize_model(model, config.quantization)
     model.eval().requires_grad_(False)
+    if moe_blocks(model):  # before packing: only the "grouped" backend reads packed experts
+        set_moe_backend(model, resolve_moe_backend(config.moe_backend, device,
+                                                   _native_bf16(device, dtype)))
     if device.type == "cpu":
         # the bf16 kernel's panel copies replace the dense weights, and move with the rest:
         prepack_weights(model, release_dense=True)
         hugepages.rehome_module(model)  # decoding streams the weights: 2 MiB pages
     return LoadedModel(model, arch, path, device, dtype, max_len)
+
+
+def _native_bf16(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the native bf16 decode kernels run for weights of `dtype` on `device` (a CPU
+    without the required instructions is checked first: no kernel build, no warning)."""
+    return (device.type == "cpu" and dtype is torch.bfloat16 and kernels.is_enabled()
+            and cpu_reason(kernels.REQUIRED_CPU_FLAGS) is None
+            and kernels.kernel_unavailable_reason() is None)
 
 
 def _open_checkpoint(path: Path, dtype: torch.dtype):

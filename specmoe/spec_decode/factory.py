@@ -22,7 +22,8 @@ def build_proposer(spec: SpeculativeConfig, target: ModelRunner, target_tokenize
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     draft = load_model(ModelConfig(spec.draft_model, dtype=target_model_config.dtype,
                                    device=str(target.device),
-                                   quantization=spec.draft_quantization))
+                                   quantization=spec.draft_quantization,
+                                   moe_backend=target_model_config.moe_backend))
     check_vocab_match(target, target_tokenizer, draft)
     return DraftModelProposer(ModelRunner(draft), num_kv_blocks, block_size)
 

@@ -225,3 +225,69 @@ def test_expert_stats_recorder(runner):
     set_expert_stats(runner.model, NullExpertStats())  # detaching stops recording
     runner.forward(cache, [11])
     assert [len(v) for v in recorder.routing.values()] == [3, 3]
+
+
+# ---- the grouped_mm backend and choosing a backend from configuration ----------------------
+
+
+@pytest.mark.parametrize("num_tokens,top_k", [(1, 2), (16, 2), (37, 3), (64, 4), (320, 8)])
+@pytest.mark.parametrize("skewed", [False, True], ids=["uniform", "skewed"])
+def test_grouped_mm_equals_reference(num_tokens, top_k, skewed):
+    """Random and skewed routings (most pairs on two experts, some experts empty)."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, HIDDEN, generator=gen)
+    topk_ids, topk_weights = _random_routing(num_tokens, top_k, gen)
+    if skewed:
+        scores = torch.rand(num_tokens, NUM_EXPERTS, generator=gen)
+        scores[:, :2] += 10 * torch.rand(num_tokens, 2, generator=gen)
+        topk_ids = scores.topk(top_k, dim=-1).indices
+    experts = _experts(top_k)
+    with torch.no_grad():
+        out = experts.forward_grouped_mm(x, topk_ids, topk_weights)
+        ref = experts.forward_reference(x, topk_ids, topk_weights)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_mm_bf16_within_rounding_of_the_fp32_reference():
+    gen = torch.Generator().manual_seed(7)
+    experts = _experts(7)
+    x = torch.randn(40, HIDDEN, generator=gen)
+    topk_ids, topk_weights = _random_routing(40, 4, gen)
+    with torch.no_grad():
+        ref = experts.forward_reference(x, topk_ids, topk_weights)
+        out = experts.to(torch.bfloat16).forward_grouped_mm(
+            x.bfloat16(), topk_ids, topk_weights.bfloat16())
+    # bf16 keeps 8 bits: inputs, weights, the hidden activations and the output each round
+    torch.testing.assert_close(out.float(), ref, atol=0.05 * ref.abs().max().item(), rtol=0.05)
+
+
+def test_grouped_mm_backend_gives_the_reference_logits(runner):
+    ids = torch.randint(0, 96, (28,), generator=torch.Generator().manual_seed(2)).tolist()
+    set_moe_backend(runner.model, "reference")
+    reference = _prefill_then_decode(runner, ids)
+    set_moe_backend(runner.model, "grouped_mm")
+    for block in moe_blocks(runner.model):
+        assert block.run_experts.__func__ is RoutedExperts.forward_grouped_mm
+    torch.testing.assert_close(_prefill_then_decode(runner, ids), reference,
+                               atol=1e-5, rtol=1e-5)
+    set_moe_backend(runner.model, "grouped")
+
+
+def test_auto_backend_follows_device_and_kernels():
+    from specmoe.config import MOE_BACKEND_CHOICES
+    from specmoe.layers.moe.backends import resolve_moe_backend
+    assert set(MOE_BACKEND_CHOICES) == {"auto", *MOE_BACKENDS}
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_moe_backend("auto", cpu, native_kernels=True) == "grouped"
+    assert resolve_moe_backend("auto", cpu, native_kernels=False) == "grouped_mm"
+    assert resolve_moe_backend("auto", cuda, native_kernels=False) == "grouped_mm"
+    assert resolve_moe_backend("reference", cpu, native_kernels=True) == "reference"
+    with pytest.raises(ValueError, match="'loop'"):
+        resolve_moe_backend("loop", cpu, native_kernels=True)
+
+
+def test_model_config_refuses_an_unknown_backend():
+    from specmoe.config import ModelConfig
+    with pytest.raises(ValueError, match="moe_backend='fast'"):
+        ModelConfig("m", moe_backend="fast")

@@ -144,3 +144,40 @@ def test_greedy_identical_with_speculation(speculative):
     if speculative["method"] == "draft":  # a trained draft: mean acceptance length > 1.25
         accepted = sum(o.spec_stats.num_accepted_tokens for o in outs)
         assert accepted > 0.25 * sum(o.spec_stats.num_drafts for o in outs)
+
+
+@pytest.mark.parametrize("moe_backend", ["grouped_mm", "auto"])
+def test_bf16_greedy_identical_with_speculation(moe_backend):
+    """Lossless in bfloat16 too, on each MoE backend: a single request and a batch of 8 give
+    the plain greedy tokens with the draft model and with n-gram, and the batch gives each
+    prompt's tokens alone (a verification window must not change a token's expert sums)."""
+    from specmoe.layers.moe.backends import MOE_BACKENDS, moe_blocks
+    from specmoe.utils.data import load_prompts
+    plain = LLM(TARGET, dtype="bfloat16", device="cpu", moe_backend=moe_backend)
+    assert all(b.run_experts.__func__ in MOE_BACKENDS.values()
+               for b in moe_blocks(plain.target.model))
+    prompts = [q.text for q in load_prompts("spec_bench", limit=40)][::5][:8]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = [o.token_ids for o in plain.generate(prompts, params)]
+    assert ref[0] == plain.generate(prompts[:1], params)[0].token_ids
+    for speculative in [{"method": "draft", "draft_model": DRAFT, "num_speculative_tokens": 4},
+                        {"method": "ngram", "num_speculative_tokens": 3}]:
+        spec = plain.with_speculative(speculative)
+        assert spec.generate(prompts[:1], params)[0].token_ids == ref[0]
+        assert [o.token_ids for o in spec.generate(prompts, params)] == ref
+
+
+def test_moe_backend_from_configuration():
+    """`moe_backend` reaches every MoE block; the grouped_mm backend keeps dense weights and
+    gives the reference backend's greedy tokens."""
+    from specmoe.layers.moe.backends import moe_blocks
+    from specmoe.layers.moe.experts import RoutedExperts
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outs = {}
+    for backend in ["grouped_mm", "reference"]:
+        llm = LLM(TARGET, dtype="float32", device="cpu", moe_backend=backend)
+        method = getattr(RoutedExperts, f"forward_{backend}")
+        for block in moe_blocks(llm.target.model):
+            assert block.run_experts.__func__ is method and not block.experts.w13.is_meta
+        outs[backend] = llm.generate(TEXTS[:2], params)
+    assert [o.token_ids for o in outs["grouped_mm"]] == [o.token_ids for o in outs["reference"]]

@@ -3,27 +3,56 @@ composition (no flag in the hot path)."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
+from specmoe.config import MOE_BACKEND_CHOICES
 from specmoe.layers.moe.block import SparseMoEBlock
 from specmoe.layers.moe.experts import RoutedExperts
 
 MOE_BACKENDS = {
     "grouped": RoutedExperts.forward,
+    "grouped_mm": RoutedExperts.forward_grouped_mm,
     "reference": RoutedExperts.forward_reference,
 }
 
 
-def set_moe_backend(model: nn.Module, name: str) -> None:
-    """Use backend `name` ("grouped" or "reference") in every MoE block of `model`.
+def resolve_moe_backend(name: str, device: torch.device, native_kernels: bool) -> str:
+    """The backend `name` stands for: "auto" is "grouped" on a CPU where the native decode
+    kernel runs (it reads each expert's packed weights at close to memory bandwidth) and
+    "grouped_mm" elsewhere (CUDA, or a CPU without the kernels: no Python loop over experts).
 
     Raises:
         ValueError: for an unknown backend name.
     """
+    if name not in MOE_BACKEND_CHOICES:
+        raise ValueError(f"invalid moe_backend={name!r}: choose one of "
+                         f"{list(MOE_BACKEND_CHOICES)}")
+    if name != "auto":
+        return name
+    return "grouped" if device.type == "cpu" and native_kernels else "grouped_mm"
+
+
+def set_moe_backend(model: nn.Module, name: str) -> None:
+    """Use backend `name` ("grouped", "grouped_mm" or "reference") in every MoE block of
+    `model`.
+
+    Only "grouped" reads the native kernel's packed copies: under the others the experts
+    keep their dense weights (choose the backend before `prepack_weights` releases them).
+
+    Raises:
+        ValueError: for an unknown backend name, or one that needs dense weights already
+            released.
+    """
     if name not in MOE_BACKENDS:
         raise ValueError(f"unknown MoE backend {name!r}: choose one of {sorted(MOE_BACKENDS)}")
     for block in moe_blocks(model):
-        block.run_experts = MOE_BACKENDS[name].__get__(block.experts)
+        experts = block.experts
+        if name != "grouped" and experts.w13.is_meta:
+            raise ValueError(f"MoE backend {name!r} needs the experts' dense weights, which "
+                             "were released for the native kernel")
+        experts.reads_packed = name == "grouped"
+        block.run_experts = MOE_BACKENDS[name].__get__(experts)
 
 
 def set_expert_stats(model: nn.Module, recorder) -> None:

@@ -1,9 +1,12 @@
-"""Routed SwiGLU experts: a grouped implementation that reads each active expert's weights
-once per forward, and the plain per-token reference it is tested against."""
+"""Routed SwiGLU experts: two implementations that read each active expert's weights once per
+forward (a loop over active experts on the native decode kernel, and a device-agnostic
+sort-then-grouped-matmul with no Python loop and no host sync), and the plain per-token
+reference both are tested against."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specmoe.kernels import gemv
@@ -30,8 +33,11 @@ class RoutedExperts(PackedWeights, nn.Module):
         self.w13.num_experts = self.w2.num_experts = num_experts
         self.w13.shard_sizes = [intermediate_size, intermediate_size]
         self.w13_panels, self.w2_panels = PackedWeight(), PackedWeight()
+        self.reads_packed = True  # False: a backend that needs the dense weights runs
 
     def packed_weights(self) -> list[tuple[PackedWeight, torch.Tensor]]:
+        if not self.reads_packed:  # never packed, so never released
+            return []
         return [(self.w13_panels, self.w13), (self.w2_panels, self.w2)]
 
     def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -74,6 +80,39 @@ class RoutedExperts(PackedWeights, nn.Module):
             out.index_add_(0, idx, y)
             start += n
         return out
+
+    def forward_grouped_mm(self, x: torch.Tensor, topk_ids: torch.Tensor,
+                           topk_weights: torch.Tensor) -> torch.Tensor:
+        """Sorted grouped-matmul forward: the (token, slot) pairs sorted by expert, then one
+        `torch.nn.functional.grouped_mm` for every expert's gate/up and one for its down
+        projection (each active expert's weights read once, empty experts skipped by the
+        offsets), as vLLM's and SGLang's torch-native MoE paths and Megablocks' grouped GEMM
+        (Gale et al. 2022, arXiv 2211.15841) do. No Python loop over experts and no host
+        synchronisation, so it suits CUDA and CPUs without the native kernels.
+
+        x [T, H]; topk_ids [T, k] int64; topk_weights [T, k]. Returns [T, H] in x's dtype.
+        The top-k weights are applied in float32 and a token's k contributions are summed in
+        slot order. Raises RuntimeError if the dense weights were released (the native
+        kernel's packed copies replace them; use `forward` then).
+        """
+        num_tokens, top_k = topk_ids.shape
+        flat_ids = topk_ids.reshape(-1)                                   # [T * k]
+        order = torch.argsort(flat_ids, stable=True)                      # pairs by expert
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+        counts.index_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
+        offs = counts.cumsum(0, dtype=torch.int32)                        # [N] group ends
+        h = F.grouped_mm(x[order // top_k], self._dense(self.w13).transpose(1, 2), offs=offs)
+        y = F.grouped_mm(silu_and_mul(h), self._dense(self.w2).transpose(1, 2), offs=offs)
+        y = y.float() * topk_weights.reshape(-1)[order].float().unsqueeze(1)  # [T * k, H]
+        pairs = torch.empty_like(y).index_copy_(0, order, y)              # back to (t, slot)
+        return pairs.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+
+    @staticmethod
+    def _dense(weights: torch.Tensor) -> torch.Tensor:
+        if weights.is_meta:
+            raise RuntimeError("the experts' dense weights were released for the native "
+                               "kernel; the grouped_mm MoE backend needs them")
+        return weights
 
     def forward_reference(self, x: torch.Tensor, topk_ids: torch.Tensor,
                           topk_weights: torch.Tensor) -> torch.Tensor:
