@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from specmoe.config import MOE_BACKEND_CHOICES
 from specmoe.loader.aliases import DEFAULT_MODEL
 
 
@@ -36,6 +37,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
     p.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="weight-only quantisation of the target's dense projections")
+    p.add_argument("--moe-backend", default="auto", choices=list(MOE_BACKEND_CHOICES),
+                   help="how a MoE model's routed experts run: grouped (a loop over active "
+                        "experts on the native kernel), grouped_mm (sorted tokens, two "
+                        "grouped matmuls, any device), reference (per token, slow). auto "
+                        "(the default): grouped where the native bf16 kernel runs, else "
+                        "grouped_mm")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads, fixed (default: one per core, fewer while "
                         "other processes keep cores busy)")
@@ -92,4 +99,5 @@ def llm_from_args(args, speculative: dict | None):
     from specmoe import LLM
     apply_threads(args)
     return LLM(args.model, speculative=speculative, dtype=args.dtype, device=args.device,
-               max_model_len=args.max_model_len, quantization=args.quantization)
+               max_model_len=args.max_model_len, quantization=args.quantization,
+               moe_backend=args.moe_backend)

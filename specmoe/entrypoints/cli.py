@@ -101,7 +101,8 @@ def cmd_serve(args) -> None:
                                    "num_kv_blocks": args.num_kv_blocks}.items() if v is not None}
     llm = LLM(args.model, speculative=speculative_from_args(args), dtype=args.dtype,
               device=args.device, max_model_len=args.max_model_len,
-              quantization=args.quantization, scheduler=scheduler)
+              quantization=args.quantization, scheduler=scheduler,
+              moe_backend=args.moe_backend)
     run_server(llm, args.model, cfg)
 
 
