@@ -135,6 +135,7 @@ def add_bench_parser(sub) -> None:
     spec.add_argument("--out", default="out/bench_spec", help="report directory")
     add_bench_throughput_parser(bench)
     add_bench_serve_parser(bench)
+    add_bench_moe_parser(bench)
 
 
 def add_bench_throughput_parser(bench) -> None:
@@ -311,6 +312,106 @@ def cmd_bench_throughput(args) -> int:
     return 0
 
 
+def add_bench_moe_parser(bench) -> None:
+    from specmoe.analysis.study_config import PUBLISHED_OVERLAP
+    from specmoe.bench.moe import MoEBenchConfig
+    d = MoEBenchConfig()
+    mo = bench.add_parser("moe", help="MoE expert backends against each other and the "
+                                      "roofline: one MoE layer and the whole-model step of "
+                                      "the study presets against T")
+    mo.add_argument("--presets", type=comma_list(), default=None,
+                    help="MoE presets of the study (default: all of them)")
+    mo.add_argument("--num-tokens", type=comma_list(int),
+                    default=",".join(map(str, d.num_tokens)),
+                    help="T values, ascending (default: %(default)s)")
+    mo.add_argument("--backends", type=comma_list(), default=",".join(d.backends),
+                    help="MoE backends, run in turn in every repetition; 'grouped' (the "
+                         "loop over experts) is the baseline of the ratios "
+                         "(default: %(default)s)")
+    mo.add_argument("--parts", type=comma_list(), default=",".join(d.parts),
+                    help="layer (one MoE layer), model (the whole-model step) or both "
+                         "(default: %(default)s)")
+    mo.add_argument("--repeats", type=int, default=d.repeats,
+                    help="repetitions of every point; min and median reported "
+                         "(default: %(default)s)")
+    mo.add_argument("--overlap", type=float, default=PUBLISHED_OVERLAP,
+                    help="adjacent-token expert overlap of the correlated routing "
+                         "(default: %(default)s, the study's)")
+    mo.add_argument("--context-len", type=int, default=None,
+                    help=f"tokens in the KV cache of the whole-model step (default: "
+                         f"{d.context_len}; 32 with --smoke)")
+    mo.add_argument("--scale-layers", type=float, default=1.0,
+                    help="multiply the presets' depth (the whole-model step; default: "
+                         "%(default)s)")
+    mo.add_argument("--smoke", action="store_true",
+                    help="tiny shapes with the presets' N and k (H=128, 2 layers), small "
+                         "probes, no cache flush, one thread unless --threads: checks the "
+                         "bench in seconds, measures nothing")
+    mo.add_argument("--dtype", default=d.dtype, choices=["bfloat16", "float32"])
+    mo.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: CUDA if any)")
+    mo.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads (default: torch's)")
+    mo.add_argument("--seed", type=int, default=d.seed)
+    mo.add_argument("--out", default=None,
+                    help="report directory (default: out/bench-moe-<date>-<time>)")
+
+
+def cmd_bench_moe(args) -> int:
+    import time
+    from pathlib import Path
+
+    import torch
+
+    from specmoe.analysis.presets import PRESETS, Preset, last_level_cache_bytes
+    from specmoe.analysis.routing_gen import CorrelatedRouting
+    from specmoe.analysis.verify_cost import build_synthetic
+    from specmoe.bench.moe import MoEBenchConfig, MoECase, run_moe_bench
+    from specmoe.bench.moe_report import target_summary, write_report
+    from specmoe.loader.model_loader import resolve_device
+    moe_names = [n for n, p in PRESETS.items() if p.is_moe]
+    names = args.presets or moe_names
+    if unknown := [n for n in names if n not in moe_names]:
+        raise ValueError(f"invalid presets {unknown}: choose MoE presets from {moe_names}")
+    if not args.scale_layers > 0:
+        raise ValueError(f"invalid --scale-layers={args.scale_layers}: must be > 0")
+    context_len = args.context_len if args.context_len is not None else (
+        32 if args.smoke else MoEBenchConfig.context_len)
+    cfg = MoEBenchConfig(
+        presets=names, num_tokens=args.num_tokens, backends=args.backends, parts=args.parts,
+        repeats=args.repeats, overlap=args.overlap, context_len=context_len,
+        dtype=args.dtype, device=str(resolve_device(args.device)), smoke=args.smoke,
+        seed=args.seed,
+        cache_bytes=None if args.smoke else last_level_cache_bytes(),
+        probe_bytes=(64 << 20) if args.smoke else None, flush_bytes=0 if args.smoke else None)
+    apply_threads(args)
+    max_len = context_len + max(cfg.num_tokens)
+
+    def case(name: str) -> MoECase:
+        p = PRESETS[name].scaled(args.scale_layers)
+        if args.smoke:  # the preset's N and k, tiny widths
+            p = Preset(p.name, p.description, p.num_experts, p.top_k,
+                       max(32, p.intermediate_size // 16), num_layers=2, hidden_size=128)
+        return MoECase(p.name, p.description, p.arch(),
+                       CorrelatedRouting(p.num_experts, p.top_k, args.overlap),
+                       lambda: build_synthetic(p, cfg.dtype, cfg.device, cfg.seed, max_len))
+
+    cases = [case(n) for n in names]  # a bad shape or overlap fails before any timing
+    out = Path(args.out or f"out/bench-moe-{time.strftime('%Y%m%d-%H%M')}")
+    started, threads = time.perf_counter(), torch.get_num_threads()
+    if args.smoke and args.threads is None:
+        torch.set_num_threads(1)  # tiny shapes: more threads only add overhead
+    try:
+        results = run_moe_bench(cfg, cases, progress=lambda m: print(
+            f"[{time.perf_counter() - started:6.1f} s] {m}", file=sys.stderr, flush=True))
+    finally:
+        if args.smoke and args.threads is None:
+            torch.set_num_threads(threads)
+    for path in write_report(results, out):
+        print(path)
+    print("\n".join(target_summary(results)))
+    return 0
+
+
 def cmd_bench_spec(args) -> None:
     from pathlib import Path
 
@@ -401,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_bench_throughput(args)
         elif args.command == "bench" and args.bench == "serve":
             return cmd_bench_serve(args)
+        elif args.command == "bench" and args.bench == "moe":
+            return cmd_bench_moe(args)
         elif args.command == "bench":
             cmd_bench_spec(args)
         elif args.command == "demo":
