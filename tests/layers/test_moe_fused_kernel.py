@@ -1,0 +1,250 @@
+"""The fused native MoE kernel (`specmoe.kernels.moe`): bit for bit the composition of the
+native kernels it fuses, within bf16 rounding of the fp32 per-token reference, batch and
+thread-count invariant, and clear errors on bad input."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_checks import require_kernel
+
+from specmoe.kernels import elementwise, gemv, moe
+from specmoe.layers.moe.experts import RoutedExperts
+
+KERNEL_UNAVAILABLE_REASON = moe.kernel_unavailable_reason  # for the `enabled` fixture
+U = 2.0 ** -8  # bf16 unit roundoff (8 significant bits, round to nearest)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _experts(n: int, h: int, i: int, seed: int = 0) -> RoutedExperts:
+    """Random bf16 experts scaled so that activations stay O(1)."""
+    torch.manual_seed(seed)
+    experts = RoutedExperts(n, h, i)
+    with torch.no_grad():
+        experts.w13.normal_(0, h ** -0.5)
+        experts.w2.normal_(0, i ** -0.5)
+    return experts.to(torch.bfloat16).requires_grad_(False)
+
+
+def _routing(t: int, n: int, k: int, gen: torch.Generator, skewed: bool = False,
+             dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """k distinct experts per token (as top-k routing gives), positive weights; skewed:
+    most tokens pick experts 0 and 1 (and a fixed few more), many experts see none."""
+    scores = torch.rand(t, n, generator=gen)
+    if skewed:
+        scores[:, :2] += 10 * (torch.rand(t, 1, generator=gen) < 0.9)
+        scores[:, 2:min(n, 2 + k)] += 1
+    ids = scores.topk(k, dim=-1).indices                            # [T, k] int64
+    weights = (torch.rand(t, k, generator=gen) + 0.1).to(dtype)    # [T, k]
+    return ids, weights
+
+
+def _packed(experts: RoutedExperts) -> tuple[torch.Tensor, torch.Tensor]:
+    return experts.w13_panels.get(experts.w13), experts.w2_panels.get(experts.w2)
+
+
+def _composition(x, ids, weights, w13p, w2p, intermediate, linear_kernel=None):
+    """The same native kernels one call each: per active expert the bf16 linear kernel on
+    its rows, the native SiLU-and-mul, the linear kernel again; then per token
+    acc = 0, acc = acc + w[s] * y[s] for s = 0 .. k-1 in fp32, rounded once."""
+    linear_kernel = linear_kernel or gemv._lazy.get()
+    (t, h), k = x.shape, ids.shape[1]
+    y = torch.empty(t, k, h, dtype=torch.bfloat16)
+    for e in ids.unique().tolist():
+        rows, slots = (ids == e).nonzero(as_tuple=True)
+        gate_up = gemv.run_kernel(linear_kernel, x[rows].contiguous(), w13p[e],
+                                  2 * intermediate, None)
+        act = elementwise.try_silu_and_mul_bf16(gate_up)
+        assert act is not None
+        y[rows, slots] = gemv.run_kernel(linear_kernel, act, w2p[e], h, None)
+    acc = torch.zeros(t, h)
+    for s in range(k):
+        acc = acc + weights[:, s:s + 1].float() * y[:, s].float()
+    return acc.bfloat16()
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.fixture
+def natives(enabled):
+    """The fused kernel, and the linear and elementwise kernels of the composition."""
+    require_kernel("bf16 linear kernel", gemv.kernel_unavailable_reason())
+    require_kernel("elementwise kernels", elementwise._lazy.unavailable_reason())
+
+
+def _poison_scratch() -> None:
+    """NaN bytes in this thread's kernel scratch, so that a row or panel some call leaves
+    unwritten shows in its output instead of a previous call's values."""
+    buf = getattr(moe._scratch, "buf", None)
+    if buf is not None:
+        buf.fill_(0xFF)
+
+
+def _fused(experts: RoutedExperts, x, ids, weights, num_threads=None) -> torch.Tensor:
+    out = moe.try_moe_bf16(x, ids, weights, experts.w13, experts.w2, experts.w13_panels,
+                           experts.w2_panels, num_threads)
+    assert out is not None, "the fused kernel did not apply"
+    return out
+
+
+# (N, H, I, k): N up to 256, k up to 8; H and 2I with partial panels, odd H, H not a
+# multiple of 16 (masked tails of the final sum)
+SHAPES = [(8, 64, 32, 2), (64, 48, 16, 8), (256, 32, 16, 8), (8, 100, 48, 3), (16, 33, 32, 4)]
+
+
+@pytest.mark.parametrize("n,h,i,k", SHAPES)
+@pytest.mark.parametrize("skewed", [False, True], ids=["uniform", "skewed"])
+def test_bit_exact_with_the_composition_of_native_kernels(natives, n, h, i, k, skewed):
+    experts = _experts(n, h, i, seed=n + h)
+    w13p, w2p = _packed(experts)
+    gen = torch.Generator().manual_seed(n * k + skewed)
+    for t in (1, 2, 5, 9, 17, 80, 320):
+        x = torch.randn(t, h, generator=gen).bfloat16()
+        dtype = torch.bfloat16 if t % 2 else torch.float32  # the router's bf16, or fp32
+        ids, weights = _routing(t, n, k, gen, skewed, dtype)
+        out = _fused(experts, x, ids, weights)
+        assert out.shape == (t, h) and out.dtype == torch.bfloat16
+        assert _same_bits(out, _composition(x, ids, weights, w13p, w2p, i)), f"T={t}"
+
+
+def test_one_expert_with_more_rows_than_a_row_block(natives):
+    """320 tokens on one expert (> 96 rows: several row blocks through its panels), and
+    repeated ids within a token (each slot counted)."""
+    experts = _experts(4, 64, 32)
+    w13p, w2p = _packed(experts)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(320, 64, generator=gen).bfloat16()
+    for ids in (torch.full((320, 1), 3), torch.tensor([[2, 2, 0]] * 320)):
+        weights = torch.rand(*ids.shape, generator=gen)
+        out = _fused(experts, x, ids, weights)
+        assert _same_bits(out, _composition(x, ids, weights, w13p, w2p, 32))
+
+
+def _error_bound(experts_f32: RoutedExperts, x, ids, weights) -> torch.Tensor:
+    """A first-order bound on |bf16 kernel - fp32 reference| per output, from the roundings
+    (each at most U relative): gate/up rounded (the SiLU's slope stays below 1.1, so
+    silu(g) * up moves by < 1.1 U |g| |up|), silu(g), up and their product rounded; the
+    down output rounded; the final sum rounded."""
+    t, k = ids.shape
+    bound = torch.zeros(t, x.shape[1])
+    inter = experts_f32.intermediate_size
+    for s in range(k):
+        for e in ids[:, s].unique().tolist():
+            rows = (ids[:, s] == e).nonzero().flatten()
+            gu = F.linear(x[rows].float(), experts_f32.w13[e])
+            g, up = gu[:, :inter], gu[:, inter:]
+            act = F.silu(g) * up
+            e_act = U * (1.1 * g.abs() * up.abs() + 3 * act.abs())
+            w2 = experts_f32.w2[e].abs()
+            e_y = F.linear(e_act, w2) + U * F.linear(act.abs(), w2)
+            bound[rows] += weights[rows, s:s + 1].float().abs() * e_y
+    return bound
+
+
+@pytest.mark.parametrize("n,h,i,k", [(8, 64, 32, 2), (64, 128, 48, 8), (256, 32, 16, 4)])
+def test_within_bf16_rounding_of_the_fp32_reference(natives, n, h, i, k):
+    experts = _experts(n, h, i, seed=3)
+    experts_f32 = copy.deepcopy(experts).float()  # the same (bf16) values in fp32
+    gen = torch.Generator().manual_seed(4)
+    for t, skewed in [(1, False), (9, True), (80, False), (320, True)]:
+        x = torch.randn(t, h, generator=gen).bfloat16()
+        ids, weights = _routing(t, n, k, gen, skewed)
+        out = _fused(experts, x, ids, weights)
+        with torch.no_grad():
+            ref = experts_f32.forward_reference(x.float(), ids, weights)
+        bound = _error_bound(experts_f32, x, ids, weights) + U * ref.abs() + 1e-6
+        err = (out.float() - ref).abs()
+        assert (err <= 1.25 * bound).all(), f"T={t}: worst {(err / bound).max():.2f} of bound"
+
+
+def test_batch_invariance(natives):
+    """Each token's output bits are the same alone (T = 1) as among 1..80 tokens, at any
+    position, among any neighbours."""
+    n, h, i, k = 64, 96, 32, 8
+    experts = _experts(n, h, i, seed=5)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(80, h, generator=gen).bfloat16()
+    ids, weights = _routing(80, n, k, gen, skewed=True, dtype=torch.bfloat16)
+    alone = torch.cat([_fused(experts, x[j:j + 1], ids[j:j + 1], weights[j:j + 1])
+                       for j in range(80)])
+    for size in (2, 3, 9, 16, 17, 40, 79, 80):
+        for rep in range(2):
+            pick = torch.randperm(80, generator=gen)[:size]  # other neighbours, positions
+            _poison_scratch()
+            out = _fused(experts, x[pick], ids[pick], weights[pick])
+            assert _same_bits(out, alone[pick]), f"{size} tokens, draw {rep}"
+
+
+def test_thread_count_invariance(natives):
+    """1 and 2 threads give the same bits, on a layer big enough that 2 threads do run
+    (both routings: a skewed one splits an expert's panels between the threads)."""
+    n, h, i, k = 64, 256, 128, 8
+    experts = _experts(n, h, i, seed=6)
+    w13p, w2p = _packed(experts)
+    kernel = moe._lazy.get()
+    gen = torch.Generator().manual_seed(6)
+    for t, skewed in [(1, False), (9, True), (40, False), (100, True)]:
+        x = torch.randn(t, h, generator=gen).bfloat16()
+        ids, weights = _routing(t, n, k, gen, skewed)
+        _poison_scratch()
+        one, used_one = moe.run_kernel(kernel, x, ids, weights, w13p, w2p, i, num_threads=1)
+        _poison_scratch()
+        two, used_two = moe.run_kernel(kernel, x, ids, weights, w13p, w2p, i, num_threads=2)
+        assert used_one == 1 and used_two == 2, (t, used_two)
+        assert _same_bits(one, two), f"T={t}"
+        assert _same_bits(one, _composition(x, ids, weights, w13p, w2p, i))
+
+
+def test_fma_variant_bit_exact_with_its_composition(natives, fma_variant):
+    """The build without AVX512-BF16 (shift + FMA) matches the linear kernel's FMA build."""
+    kernel, linear_kernel = fma_variant(moe.load_kernel), fma_variant(gemv.load_kernel)
+    assert kernel.library.specmoe_moe_isa() == 1 == linear_kernel.library.specmoe_gemv_isa()
+    experts = _experts(16, 64, 32, seed=7)
+    w13p, w2p = _packed(experts)
+    gen = torch.Generator().manual_seed(7)
+    for t in (1, 9, 40):
+        x = torch.randn(t, 64, generator=gen).bfloat16()
+        ids, weights = _routing(t, 16, 4, gen)
+        out, _ = moe.run_kernel(kernel, x, ids, weights, w13p, w2p, 32)
+        assert _same_bits(out, _composition(x, ids, weights, w13p, w2p, 32, linear_kernel))
+
+
+def test_no_tokens(natives):
+    experts = _experts(8, 64, 32)
+    out = _fused(experts, torch.zeros(0, 64, dtype=torch.bfloat16),
+                 torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2))
+    assert out.shape == (0, 64) and out.dtype == torch.bfloat16
+
+
+def test_bad_inputs_raise_value_error(natives):
+    n, h, i = 8, 64, 32
+    experts = _experts(n, h, i)
+    x = torch.randn(3, h).bfloat16()
+    ids = torch.tensor([[0, 1], [2, 3], [4, 5]])
+    w = torch.rand(3, 2)
+    fused = lambda *args: _fused(experts, *args)  # noqa: E731
+    with pytest.raises(ValueError, match=r"x must be \[T, 64\]"):
+        fused(torch.randn(3, h + 1).bfloat16(), ids, w)
+    with pytest.raises(ValueError, match="topk_ids must be"):
+        fused(x, ids[:2], w[:2])
+    with pytest.raises(ValueError, match="topk_weights must be"):
+        fused(x, ids, w[:, :1])
+    with pytest.raises(ValueError, match="int64"):
+        fused(x, ids.int(), w)
+    for bad in (n, -1, 1000):
+        wrong = ids.clone()
+        wrong[1, 1] = bad
+        with pytest.raises(ValueError, match=rf"expert ids must be in \[0, 8\), got \[{bad}\]"):
+            fused(x, wrong, w)
+    with pytest.raises(ValueError, match="does not fit"):
+        moe.try_moe_bf16(x, ids, w, experts.w13, experts.w2[:, :, :16], experts.w13_panels,
+                         experts.w2_panels)
+    with pytest.raises(ValueError, match="packed w2 must be"):
+        moe.try_moe_bf16(x, ids, w, experts.w13, experts.w2, experts.w13_panels,
+                         experts.w2_panels.get(experts.w2)[:4])
