@@ -12,7 +12,7 @@ SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 SPECULATIVE_METHODS = ("ngram", "draft")
 QUANTIZATION_METHODS = ("int8", "int4")
 # How routed experts run (`specmoe.layers.moe.backends`): "auto" picks per device and kernels.
-MOE_BACKEND_CHOICES = ("auto", "grouped", "grouped_mm", "reference")
+MOE_BACKEND_CHOICES = ("auto", "fused", "grouped", "grouped_mm", "reference")
 
 
 @dataclass
@@ -111,10 +111,11 @@ class ModelConfig:
         max_model_len: context limit in tokens (None: the model's max_position_embeddings).
         quantization: None (weights in `dtype`), "int8" or "int4" weight-only quantisation of
             the dense projections (see `specmoe.layers.quantization`).
-        moe_backend: how a MoE model's routed experts run: "grouped" (a loop over active
+        moe_backend: how a MoE model's routed experts run: "fused" (the layer in one
+            native call, CPU bf16; elsewhere "grouped"), "grouped" (a loop over active
             experts on the native decode kernel), "grouped_mm" (sorted tokens and two grouped
             matmuls: no Python loop, any device), "reference" (per token; slow, the oracle)
-            or "auto" ("grouped" on a CPU where the bf16 kernel runs, else "grouped_mm").
+            or "auto" ("fused" on a CPU where the bf16 kernels run, else "grouped_mm").
             Ignored by dense models.
     """
 

@@ -113,8 +113,8 @@ def test_cli_refuses_a_dense_preset_and_an_unknown_backend(capsys, tmp_path):
     assert main(["bench", "moe", "--smoke", "--presets", "dense-total",
                  "--out", str(tmp_path)]) == 2
     assert "dense-total" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="fused"):
-        MoEBenchConfig(backends=["grouped", "fused"])
+    with pytest.raises(ValueError, match="fused_triton"):
+        MoEBenchConfig(backends=["grouped", "fused_triton"])
     with pytest.raises(ValueError, match="num_tokens"):
         MoEBenchConfig(num_tokens=[9, 1])
 

@@ -279,7 +279,7 @@ def test_auto_backend_follows_device_and_kernels():
     from specmoe.layers.moe.backends import resolve_moe_backend
     assert set(MOE_BACKEND_CHOICES) == {"auto", *MOE_BACKENDS}
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_moe_backend("auto", cpu, native_kernels=True) == "grouped"
+    assert resolve_moe_backend("auto", cpu, native_kernels=True) == "fused"
     assert resolve_moe_backend("auto", cpu, native_kernels=False) == "grouped_mm"
     assert resolve_moe_backend("auto", cuda, native_kernels=False) == "grouped_mm"
     assert resolve_moe_backend("reference", cpu, native_kernels=True) == "reference"

@@ -1,6 +1,6 @@
 """The fused native MoE kernel (`specmoe.kernels.moe`): bit for bit the composition of the
 native kernels it fuses, within bf16 rounding of the fp32 per-token reference, batch and
-thread-count invariant, and clear errors on bad input."""
+thread-count invariant, clear errors on bad input, and the "fused" backend."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from kernel_checks import require_kernel
 
 from specmoe.kernels import elementwise, gemv, moe
+from specmoe.layers.linear import prepack_weights
 from specmoe.layers.moe.experts import RoutedExperts
 
 KERNEL_UNAVAILABLE_REASON = moe.kernel_unavailable_reason  # for the `enabled` fixture
@@ -248,3 +249,79 @@ def test_bad_inputs_raise_value_error(natives):
     with pytest.raises(ValueError, match="packed w2 must be"):
         moe.try_moe_bf16(x, ids, w, experts.w13, experts.w2, experts.w13_panels,
                          experts.w2_panels.get(experts.w2)[:4])
+
+
+# ---- the "fused" backend ----------------------------------------------------------------
+
+
+def test_forward_fused_is_the_kernel_and_survives_released_weights(natives):
+    experts = _experts(16, 64, 32, seed=8)
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(12, 64, generator=gen).bfloat16()
+    ids, weights = _routing(12, 16, 4, gen, dtype=torch.bfloat16)
+    out = experts.forward_fused(x, ids, weights)
+    assert _same_bits(out, _fused(experts, x, ids, weights))
+    prepack_weights(experts, release_dense=True)
+    assert experts.w13.is_meta and experts.w2.is_meta
+    assert _same_bits(experts.forward_fused(x, ids, weights), out)
+
+
+def test_forward_fused_falls_back_to_the_loop(natives, kernels_off):
+    """Where the kernel does not apply (float32, an intermediate size the SiLU kernel does
+    not take, kernels off) `forward_fused` is `forward`."""
+    gen = torch.Generator().manual_seed(9)
+    ids, weights = _routing(5, 8, 2, gen)
+    x = torch.randn(5, 64, generator=gen)
+
+    def check(experts: RoutedExperts, x: torch.Tensor, weights: torch.Tensor) -> None:
+        assert moe.try_moe_bf16(x, ids, weights, experts.w13, experts.w2,
+                                experts.w13_panels, experts.w2_panels) is None
+        torch.testing.assert_close(experts.forward_fused(x, ids, weights),
+                                   experts.forward(x, ids, weights), atol=0, rtol=0)
+
+    check(_experts(8, 64, 32).float(), x, weights)
+    check(_experts(8, 64, 24), x.bfloat16(), weights.bfloat16())
+    with kernels_off():
+        check(_experts(8, 64, 32), x.bfloat16(), weights.bfloat16())
+
+
+def test_backend_registered_and_auto_picks_it():
+    from specmoe.config import MOE_BACKEND_CHOICES
+    from specmoe.layers.moe.backends import MOE_BACKENDS, PACKED_BACKENDS, resolve_moe_backend
+    assert MOE_BACKENDS["fused"] is RoutedExperts.forward_fused
+    assert "fused" in MOE_BACKEND_CHOICES and "fused" in PACKED_BACKENDS
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_moe_backend("auto", cpu, native_kernels=True) == "fused"
+    assert resolve_moe_backend("auto", cpu, native_kernels=False) == "grouped_mm"
+    assert resolve_moe_backend("auto", cuda, native_kernels=False) == "grouped_mm"
+    assert resolve_moe_backend("fused", cpu, native_kernels=True) == "fused"
+
+
+def test_set_moe_backend_fused_reads_the_packed_copies(natives):
+    """A bf16 MoE block (with a gated shared expert) on "fused": its experts keep packed
+    copies, the backend runs after the dense weights were released (the dense-weight
+    backends then refuse), and the block's output bits stay the same."""
+    from specmoe.config import MoEConfig
+    from specmoe.layers.moe.backends import set_moe_backend
+    from specmoe.layers.moe.block import SparseMoEBlock
+    torch.manual_seed(10)
+    moe_cfg = MoEConfig(num_experts=16, top_k=4, moe_intermediate_size=32,
+                        norm_topk_prob=True, shared_expert_intermediate_size=48,
+                        has_shared_expert_gate=True)
+    block = SparseMoEBlock(64, moe_cfg, layer_idx=0)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.1)
+    block = block.to(torch.bfloat16).requires_grad_(False)
+    model = torch.nn.Sequential(block)
+    set_moe_backend(model, "fused")
+    assert block.run_experts.__func__ is RoutedExperts.forward_fused
+    assert block.experts.reads_packed
+    x = torch.randn(7, 64).bfloat16()
+    before = block(x)
+    prepack_weights(model, release_dense=True)
+    assert block.experts.w13.is_meta
+    set_moe_backend(model, "fused")
+    assert _same_bits(block(x), before)
+    with pytest.raises(ValueError, match="dense weights"):
+        set_moe_backend(model, "grouped_mm")

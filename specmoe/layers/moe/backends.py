@@ -11,15 +11,18 @@ from specmoe.layers.moe.block import SparseMoEBlock
 from specmoe.layers.moe.experts import RoutedExperts
 
 MOE_BACKENDS = {
+    "fused": RoutedExperts.forward_fused,
     "grouped": RoutedExperts.forward,
     "grouped_mm": RoutedExperts.forward_grouped_mm,
     "reference": RoutedExperts.forward_reference,
 }
+PACKED_BACKENDS = ("fused", "grouped")  # those that read the experts' packed copies
 
 
 def resolve_moe_backend(name: str, device: torch.device, native_kernels: bool) -> str:
-    """The backend `name` stands for: "auto" is "grouped" on a CPU where the native decode
-    kernel runs (it reads each expert's packed weights at close to memory bandwidth) and
+    """The backend `name` stands for: "auto" is "fused" on a CPU where the native decode
+    kernels run (the whole layer in one call on the experts' packed weights; it falls back
+    to "grouped", the loop over active experts, where its own kernel does not apply) and
     "grouped_mm" elsewhere (CUDA, or a CPU without the kernels: no Python loop over experts).
 
     Raises:
@@ -30,15 +33,16 @@ def resolve_moe_backend(name: str, device: torch.device, native_kernels: bool) -
                          f"{list(MOE_BACKEND_CHOICES)}")
     if name != "auto":
         return name
-    return "grouped" if device.type == "cpu" and native_kernels else "grouped_mm"
+    return "fused" if device.type == "cpu" and native_kernels else "grouped_mm"
 
 
 def set_moe_backend(model: nn.Module, name: str) -> None:
-    """Use backend `name` ("grouped", "grouped_mm" or "reference") in every MoE block of
-    `model`.
+    """Use backend `name` ("fused", "grouped", "grouped_mm" or "reference") in every MoE
+    block of `model`.
 
-    Only "grouped" reads the native kernel's packed copies: under the others the experts
-    keep their dense weights (choose the backend before `prepack_weights` releases them).
+    Only "fused" and "grouped" read the native kernels' packed copies: under the others the
+    experts keep their dense weights (choose the backend before `prepack_weights` releases
+    them).
 
     Raises:
         ValueError: for an unknown backend name, or one that needs dense weights already
@@ -48,10 +52,10 @@ def set_moe_backend(model: nn.Module, name: str) -> None:
         raise ValueError(f"unknown MoE backend {name!r}: choose one of {sorted(MOE_BACKENDS)}")
     for block in moe_blocks(model):
         experts = block.experts
-        if name != "grouped" and experts.w13.is_meta:
+        if name not in PACKED_BACKENDS and experts.w13.is_meta:
             raise ValueError(f"MoE backend {name!r} needs the experts' dense weights, which "
                              "were released for the native kernel")
-        experts.reads_packed = name == "grouped"
+        experts.reads_packed = name in PACKED_BACKENDS
         block.run_experts = MOE_BACKENDS[name].__get__(experts)
 
 

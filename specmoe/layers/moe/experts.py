@@ -1,7 +1,7 @@
-"""Routed SwiGLU experts: two implementations that read each active expert's weights once per
-forward (a loop over active experts on the native decode kernel, and a device-agnostic
-sort-then-grouped-matmul with no Python loop and no host sync), and the plain per-token
-reference both are tested against."""
+"""Routed SwiGLU experts: three implementations that read each active expert's weights once
+per forward (one native call for the whole layer on CPU in bf16, a loop over active experts on
+the native decode kernel, and a device-agnostic sort-then-grouped-matmul with no Python loop
+and no host sync), and the plain per-token reference they are tested against."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specmoe.kernels import gemv
+from specmoe.kernels import gemv, moe
 from specmoe.kernels.gemv import PackedWeight
 from specmoe.layers.linear import PackedWeights, linear
 from specmoe.layers.mlp import silu_and_mul
@@ -80,6 +80,24 @@ class RoutedExperts(PackedWeights, nn.Module):
             out.index_add_(0, idx, y)
             start += n
         return out
+
+    def forward_fused(self, x: torch.Tensor, topk_ids: torch.Tensor,
+                      topk_weights: torch.Tensor) -> torch.Tensor:
+        """Fused forward: the whole layer in one native call (`specmoe.kernels.moe`) on the
+        experts' packed weights: the pairs sorted by expert inside the kernel, each active
+        expert's panels read once for all its rows, threads sharing the active experts'
+        panels, the top-k weights applied in float32 and a token's k contributions summed in
+        slot order, rounded once. No Python loop and no host sync; a token's output bits do
+        not depend on the other tokens of the call. Where the kernel does not apply (another
+        device or dtype, kernels off or not built, I not a multiple of 16, autograd) this is
+        `forward`.
+
+        x [T, H]; topk_ids [T, k] int64; topk_weights [T, k]. Returns [T, H] in x's dtype.
+        Raises ValueError (from the kernel's checks) for an expert id outside [0, N).
+        """
+        out = moe.try_moe_bf16(x, topk_ids, topk_weights, self.w13, self.w2,
+                               self.w13_panels, self.w2_panels)
+        return self.forward(x, topk_ids, topk_weights) if out is None else out
 
     def forward_grouped_mm(self, x: torch.Tensor, topk_ids: torch.Tensor,
                            topk_weights: torch.Tensor) -> torch.Tensor:
