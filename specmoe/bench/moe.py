@@ -56,7 +56,7 @@ from specmoe.utils import hugepages
 from specmoe.worker.model_runner import ModelRunner, SequenceInput
 
 DEFAULT_NUM_TOKENS = [1, 2, 5, 9, 16, 40, 80, 320]
-DEFAULT_BACKENDS = ["grouped", "grouped_mm"]
+DEFAULT_BACKENDS = ["grouped", "fused", "grouped_mm"]
 LOOP_BACKEND = "grouped"  # the Python loop over active experts: the baseline of the ratios
 PARTS = ("layer", "model")
 BLOCK_SIZE = 16

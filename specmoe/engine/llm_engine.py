@@ -45,8 +45,8 @@ class LLM:
         quantization: None, "int8" or "int4" weight-only quantisation of the target.
         scheduler: a SchedulerConfig or a dict of its fields (continuous batching limits and
             the KV cache size), e.g. {"max_num_seqs": 16}.
-        moe_backend: how a MoE target's routed experts run ("auto", "grouped",
-            "grouped_mm", "reference"; see `ModelConfig.moe_backend`).
+        moe_backend: how a MoE target's routed experts run ("auto", "fused",
+            "grouped", "grouped_mm", "reference"; see `ModelConfig.moe_backend`).
 
     Raises:
         FileNotFoundError, ValueError: bad path, unsupported model, bad option, a draft

@@ -38,11 +38,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="weight-only quantisation of the target's dense projections")
     p.add_argument("--moe-backend", default="auto", choices=list(MOE_BACKEND_CHOICES),
-                   help="how a MoE model's routed experts run: grouped (a loop over active "
-                        "experts on the native kernel), grouped_mm (sorted tokens, two "
-                        "grouped matmuls, any device), reference (per token, slow). auto "
-                        "(the default): grouped where the native bf16 kernel runs, else "
-                        "grouped_mm")
+                   help="how a MoE model's routed experts run: fused (one native call per "
+                        "layer, CPU bf16), grouped (a loop over active experts on the native "
+                        "kernel), grouped_mm (sorted tokens, two grouped matmuls, any "
+                        "device), reference (per token, slow). auto (the default): fused "
+                        "where the native bf16 kernels run, else grouped_mm")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads, fixed (default: one per core, fewer while "
                         "other processes keep cores busy)")

@@ -104,7 +104,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     if config.quantization is not None:
         quantize_model(model, config.quantization)
     model.eval().requires_grad_(False)
-    if moe_blocks(model):  # before packing: only the "grouped" backend reads packed experts
+    if moe_blocks(model):  # before packing: only "fused" and "grouped" read packed experts
         set_moe_backend(model, resolve_moe_backend(config.moe_backend, device,
                                                    _native_bf16(device, dtype)))
     if device.type == "cpu":

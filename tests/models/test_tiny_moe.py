@@ -146,7 +146,7 @@ def test_greedy_identical_with_speculation(speculative):
         assert accepted > 0.25 * sum(o.spec_stats.num_drafts for o in outs)
 
 
-@pytest.mark.parametrize("moe_backend", ["grouped_mm", "fused", "auto"])
+@pytest.mark.parametrize("moe_backend", ["grouped", "grouped_mm", "fused", "auto"])
 def test_bf16_greedy_identical_with_speculation(moe_backend):
     """Lossless in bfloat16 too, on each MoE backend: a single request and a batch of 8 give
     the plain greedy tokens with the draft model and with n-gram, and the batch gives each
