@@ -30,7 +30,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -45,6 +45,29 @@ ABORT_GRACE_S = 3.0  # seconds aborted requests get to end their responses after
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # request body limit (HTTP 413 above it)
 # Body-level validation errors: the body is not a JSON object at all (or is missing).
 _BODY_TYPE_ERRORS = {"model_attributes_type", "model_type", "dict_type", "missing"}
+
+# What the routes answer, declared in the OpenAPI schema (/openapi.json) so that clients and
+# schema-driven fuzzers (tests/entrypoints/test_fuzz_schema.py) can check responses against
+# it. Every error has OpenAI's body; declaring the 4XX range also drops FastAPI's default 422,
+# which this server never sends (a validation error is a 400).
+_ERROR = {"model": P.ErrorResponse}
+_GENERATION_RESPONSES = {
+    "4XX": {**_ERROR, "description": "400: a field is invalid (named in error.param) or the "
+                                     "prompt is too long; 401: bad API key; 404: unknown "
+                                     "model; 413: body too large; 429: waiting queue full "
+                                     "(Retry-After)"},
+    "5XX": {**_ERROR, "description": "500: internal error; 503: shutting down"},
+}
+_GET_RESPONSES = {401: {**_ERROR, "description": "bad API key"}}
+# One server-sent event (`itemSchema`, as FastAPI documents its own event streams).
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {
+    "type": "string", "description": "one chunk as JSON; the last event is [DONE]"}}}
+
+
+def _success(model, description: str) -> dict:
+    """The 200 of a generation route: `model` as JSON, or server-sent events (stream=true)."""
+    return {200: {"model": model, "description": description, "content": {
+        "text/event-stream": {"itemSchema": _SSE_EVENT}}}}
 
 
 @dataclass
@@ -98,10 +121,12 @@ def build_app(llm, served_model_name: str, api_key: str | None = None,
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
-        yield
-        state.is_draining = True
-        await engine.shutdown(timeout_s=0.0)
-        state.serving.close()
+        try:
+            yield
+        finally:  # also when the code run inside the lifespan raises (an in-process test)
+            state.is_draining = True
+            await engine.shutdown(timeout_s=0.0)
+            state.serving.close()
 
     app = FastAPI(title="specmoe", lifespan=lifespan)
     app.state.specmoe = state
@@ -114,27 +139,32 @@ def build_app(llm, served_model_name: str, api_key: str | None = None,
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     serving = state.serving
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "draining: shutting down"}})
     async def health() -> JSONResponse:
         if state.is_draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=_GET_RESPONSES)
     async def metrics() -> Response:
         state.metrics.in_flight.labels(serving.model_name).set(state.num_in_flight)
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={200: {"model": P.ModelList}, **_GET_RESPONSES})
     async def models() -> JSONResponse:
         card = P.ModelCard(id=serving.model_name, max_model_len=serving.llm.max_model_len)
         return JSONResponse(P.ModelList(data=[card]).model_dump())
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses={
+        **_success(P.CompletionResponse, "the completion (stream=false), or its chunks"),
+        **_GENERATION_RESPONSES})
     async def completions(body: P.CompletionRequest, raw: HTTPRequest):
         return await serving.completions(body, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses={
+        **_success(P.ChatCompletionResponse,
+                   "the chat completion (stream=false), or its ChatCompletionChunk events"),
+        **_GENERATION_RESPONSES})
     async def chat_completions(body: P.ChatCompletionRequest, raw: HTTPRequest):
         return await serving.chat_completions(body, raw)
 
@@ -150,7 +180,11 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_, exc: StarletteHTTPException) -> JSONResponse:
-        return APIError(exc.status_code, str(exc.detail)).response()
+        response = APIError(exc.status_code, str(exc.detail)).response()
+        # Starlette's own headers go out too: a 405 must list the route's methods in Allow
+        # (RFC 9110, 15.5.6).
+        response.headers.update(exc.headers or {})
+        return response
     # Other exceptions are answered (500) by GuardMiddleware, inside the counting of
     # responses: Starlette's own handler for them sends outside every middleware.
 

@@ -140,11 +140,15 @@ class OpenAIServing:
     def _params(self, body: P._SamplingFields, max_tokens: int | None,
                 num_logprobs: int | None) -> SamplingParams:
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                 min_p=body.min_p, seed=body.seed, max_tokens=max_tokens or 1, stop=body.stop,
                 stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos,
                 logprobs=num_logprobs, num_speculative_tokens=body.num_speculative_tokens)
+            # The model-dependent checks too, here: raised later by make_request, their
+            # errors would name the prompt instead of the field (temperature=1e-39, ...).
+            self.llm.validator.check_params(params)
+            return params
         except ValueError as exc:
             raise _bad_request(exc) from exc
 
@@ -171,6 +175,8 @@ class OpenAIServing:
                     self.llm.engine.scheduler.max_tokens_per_request)
         explicit = (body.requested_max_tokens() if isinstance(body, P.ChatCompletionRequest)
                     else body.max_tokens)
+        field_name = ("max_completion_tokens" if getattr(body, "max_completion_tokens", None)
+                      else "max_tokens")  # the field the client set
         for req in reqs:
             num_prompt = len(req.prompt_token_ids)
             if explicit is None:
@@ -178,8 +184,8 @@ class OpenAIServing:
             elif num_prompt + explicit > limit:
                 raise APIError(400, f"this model's maximum context length is {limit} tokens; "
                                     f"you requested {num_prompt + explicit} tokens ({num_prompt} "
-                                    f"in the prompt, {explicit} for max_tokens): lower "
-                                    "max_tokens or shorten the prompt", "max_tokens")
+                                    f"in the prompt, {explicit} for {field_name}): lower "
+                                    f"{field_name} or shorten the prompt", field_name)
 
     # ---- running ---------------------------------------------------------------------
 
