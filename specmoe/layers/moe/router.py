@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from specmoe.kernels.router import try_route_softmax_bf16
 from specmoe.layers.linear import Linear
 
 
@@ -63,9 +64,24 @@ class TopKRouter(nn.Module):
         self.norm_topk_prob = norm_topk_prob
 
     def forward(self, x: torch.Tensor) -> RoutingResult:
-        """x [T, H] -> RoutingResult with [T, top_k] ids and weights."""
-        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, N]
+        """x [T, H] -> RoutingResult with [T, top_k] ids and weights. bf16 on CPU routes in
+        one native call (`specmoe.kernels.router`, which the fused decoder driver calls too);
+        `route_reference` is its plain-torch reference, with the same bits where torch runs
+        its AVX-512 kernels."""
+        logits = self.gate(x)
+        routed = try_route_softmax_bf16(logits, self.top_k, self.norm_topk_prob)
+        if routed is not None and x.dtype is torch.bfloat16:
+            return RoutingResult(*routed)
+        return self.route_reference(logits, x.dtype)
+
+    def forward_reference(self, x: torch.Tensor) -> RoutingResult:
+        """Plain-torch reference of `forward`."""
+        return self.route_reference(self.gate(x), x.dtype)
+
+    def route_reference(self, logits: torch.Tensor, dtype: torch.dtype) -> RoutingResult:
+        """The routing of gate outputs `logits` [T, N] in plain torch, weights in `dtype`."""
+        probs = torch.softmax(logits.float(), dim=-1)  # [T, N]
         weights, ids = select_experts(probs, self.top_k)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return RoutingResult(ids, weights.to(x.dtype))
+        return RoutingResult(ids, weights.to(dtype))
