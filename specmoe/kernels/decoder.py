@@ -1,9 +1,10 @@
-"""A run of dense decoder layers in one native call, bf16 on CPU, through `decoder_bf16.c`.
+"""A run of decoder layers in one native call, bf16 on CPU, through `decoder_bf16.c`.
 
 The C driver calls the linear (bf16 `gemv`, or `gemv_int4` for int4 projections), RMSNorm,
 RoPE, SiLU-and-mul and attention kernels (`elementwise`, `attention`) layer after layer,
-with the arguments the Python modules pass them, so its output has the same bits as the
-modules'. It saves the Python dispatch between them, a share of every decode step that
+and for a sparse MoE layer the router (`router`: softmax top-k) and the fused experts
+(`moe`), with the arguments the Python modules pass them, so its output has the same bits
+as the modules'. It saves the Python dispatch between them, a share of every decode step that
 grows as the model gets smaller (most for a small int4 draft model).
 `specmoe.models.fused_layers` builds the tables from a model; its test checks the bits
 against the module path.
@@ -15,7 +16,7 @@ import ctypes
 
 import torch
 
-from specmoe.kernels import attention, elementwise, gemv, gemv_int4
+from specmoe.kernels import attention, elementwise, gemv, gemv_int4, moe, router
 from specmoe.kernels.build import LazyKernel, load
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -24,7 +25,8 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 class Kernels(ctypes.Structure):
     """The kernels' addresses (C `Kernels`)."""
     _fields_ = [(name, _P) for name in ("linear", "linear_int4", "rms_norm", "rotary",
-                                        "silu_and_mul", "attention")]
+                                        "silu_and_mul", "attention", "route", "moe",
+                                        "sigmoid")]
 
 
 class Dims(ctypes.Structure):
@@ -43,10 +45,21 @@ class Lin(ctypes.Structure):
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
+class Moe(ctypes.Structure):
+    """A sparse MoE block (C `Moe`): the router's gate, the experts' packed weights, sizes,
+    and the shared expert and its gate (`Lin` with w None: absent)."""
+    _fields_ = [("gate", Lin), ("w13", _P), ("w2", _P)] + [
+        (name, _I) for name in ("num_experts", "top_k", "intermediate", "norm_topk_prob")] + [
+        (name, Lin) for name in ("shared_gate_up", "shared_down", "shared_gate")] + [
+        ("shared_intermediate", _I)]
+
+
 class Layer(ctypes.Structure):
-    """One layer's norm weights, projections and KV cache (C `Layer`)."""
-    _fields_ = [("input_norm", _P), ("post_attn_norm", _P)] + [
-        (name, Lin) for name in PROJECTIONS] + [("k_cache", _P), ("v_cache", _P)]
+    """One layer's norm weights, projections, MoE block (None: a dense MLP) and KV cache
+    (C `Layer`)."""
+    _fields_ = [(name, _P) for name in ("input_norm", "post_attn_norm", "q_norm", "k_norm")] + [
+        (name, Lin) for name in PROJECTIONS] + [
+        ("moe", ctypes.POINTER(Moe)), ("k_cache", _P), ("v_cache", _P)]
 
 
 class Step(ctypes.Structure):
@@ -54,7 +67,22 @@ class Step(ctypes.Structure):
     _fields_ = [("x", _P), ("T", _I)] + [(name, _P) for name in (
         "positions", "slots", "row_start", "num_rows", "start_pos", "block_tables")] + [
         (name, _I) for name in ("num_seqs", "max_blocks", "block_size", "window")] + [
-        (name, _P) for name in ("h", "qkv", "q", "attn", "gate_up", "act")]
+        (name, _P) for name in ("h", "qkv", "q", "attn", "gate_up", "act", "logits",
+                                "topk_ids", "topk_weights", "moe_out", "shared_out",
+                                "shared_gate", "shared_scale", "moe_scratch")]
+
+
+class MoeSizes:
+    """What a step's MoE scratch must hold, the largest over the MoE layers: experts N,
+    top-k k, routed intermediate size, shared-expert intermediate size (0: none)."""
+
+    def __init__(self, layers) -> None:
+        moes = [lay.moe.contents for lay in layers if lay.moe]
+        self.any = bool(moes)
+        self.num_experts = max((m.num_experts for m in moes), default=0)
+        self.top_k = max((m.top_k for m in moes), default=0)
+        self.intermediate = max((m.intermediate for m in moes), default=0)
+        self.shared_intermediate = max((m.shared_intermediate for m in moes), default=0)
 
 
 def load_driver():
@@ -75,13 +103,16 @@ def load_driver():
     addr = [ctypes.cast(f, _P).value for f in (
         linear, lib.specmoe_rms_norm_bf16, lib.specmoe_rotary_bf16,
         lib.specmoe_silu_and_mul_bf16, attend)]
-    return fn, Kernels(addr[0], None, *addr[1:])  # the int4 kernel: see int4_available
+    # the int4 kernel and the MoE ones: see int4_available and moe_available
+    return fn, Kernels(addr[0], None, *addr[1:])
 
 
 _lazy = LazyKernel(load_driver, "fused decoder driver unavailable, running layer by layer")
 
 STEPS = ("input norm", "QKV projection", "RoPE", "attention", "output projection",
-         "post-attention norm", "gate/up projection", "SiLU-and-mul", "down projection")
+         "post-attention norm", "gate/up projection", "SiLU-and-mul", "down projection",
+         "q/k norm", "router gate", "routing", "routed experts", "shared expert",
+         "shared-expert gate")
 
 
 def available() -> bool:
@@ -103,8 +134,25 @@ def int4_available() -> bool:
     return kernels.linear_int4 is not None
 
 
+def moe_available() -> bool:
+    """Whether the driver can call the router and fused MoE kernels, loading them now for
+    the driver if needed (only MoE models ask)."""
+    loaded = _lazy.get()
+    if loaded is None:
+        return False
+    kernels = loaded[1]
+    if kernels.moe is None:
+        lib, fn = router.library(), moe._lazy.get()
+        if lib is None or fn is None:
+            return False
+        kernels.route = ctypes.cast(lib.specmoe_route_softmax_bf16, _P).value
+        kernels.sigmoid = ctypes.cast(lib.specmoe_sigmoid_bf16, _P).value
+        kernels.moe = ctypes.cast(fn, _P).value
+    return True
+
+
 def run_layers(dims: Dims, layers: ctypes.Array, x: torch.Tensor, positions: torch.Tensor,
-               slots: torch.Tensor, seqs, window: int) -> None:
+               slots: torch.Tensor, seqs, window: int, sizes: MoeSizes | None = None) -> None:
     """Run `layers` over the residual stream x in place.
 
     Args:
@@ -114,9 +162,10 @@ def run_layers(dims: Dims, layers: ctypes.Array, x: torch.Tensor, positions: tor
         positions, slots: [T] int64 CPU contiguous: each row's position and KV cache slot.
         seqs: a `specmoe.layers.paged_attention.KernelSequences` covering the T rows.
         window: sliding window in tokens, 0 for none.
+        sizes: `MoeSizes(layers)` (computed here if None).
     The caller has checked what the kernels check (dtypes, contiguity, head_dim, positions
-    within the RoPE tables, at most `gemv_int4.MAX_ROWS` rows for int4 projections;
-    `specmoe.models.fused_layers` does).
+    within the RoPE tables, at most `gemv_int4.MAX_ROWS` rows for int4 projections,
+    `moe_available()` for MoE layers; `specmoe.models.fused_layers` does).
     Raises:
         RuntimeError: the driver is unavailable, or a kernel refused its arguments or ran
             out of memory for its work space (naming the layer and step; the layers before
@@ -128,16 +177,28 @@ def run_layers(dims: Dims, layers: ctypes.Array, x: torch.Tensor, positions: tor
     fn, kernels = loaded
     t = x.shape[0]
     qn, kvn = dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
+    sizes = MoeSizes(layers) if sizes is None else sizes
+    inter = max(dims.intermediate, sizes.shared_intermediate)
     bufs = [torch.empty(t, n, dtype=torch.bfloat16) for n in (
-        dims.hidden, qn + 2 * kvn, qn, qn, 2 * dims.intermediate, dims.intermediate)]
+        dims.hidden, qn + 2 * kvn, qn, qn, 2 * inter, inter)]
+    if sizes.any:
+        n, k, h = sizes.num_experts, sizes.top_k, dims.hidden
+        scratch = moe.scratch_for(t, k, h, sizes.intermediate, n)
+        bufs += [torch.empty(t, n, dtype=torch.bfloat16), torch.empty(t, k, dtype=torch.int64),
+                 torch.empty(t, k, dtype=torch.bfloat16), torch.empty(t, h, dtype=torch.bfloat16),
+                 torch.empty(t, h, dtype=torch.bfloat16), torch.empty(t, dtype=torch.bfloat16),
+                 torch.empty(t, dtype=torch.bfloat16), scratch]
+        ptrs = [b.data_ptr() for b in bufs]
+    else:
+        ptrs = [b.data_ptr() for b in bufs] + [None] * 8
     tables = seqs.block_tables
     step = Step(x.data_ptr(), t, positions.data_ptr(), slots.data_ptr(),
                 seqs.row_start.data_ptr(), seqs.num_rows.data_ptr(), seqs.start_pos.data_ptr(),
                 tables.data_ptr(), tables.shape[0], tables.shape[1], seqs.block_size, window,
-                *(b.data_ptr() for b in bufs))
+                *ptrs)
     rc = fn(ctypes.byref(kernels), ctypes.byref(dims), layers, len(layers), ctypes.byref(step),
             torch.get_num_threads())
     if rc:
-        layer, what = divmod(-rc, 16)
+        layer, what = divmod(-rc, 32)
         raise RuntimeError(f"fused decoder: the {STEPS[what - 1]} kernel of layer {layer} "
                            f"refused its arguments")

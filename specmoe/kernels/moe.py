@@ -70,6 +70,18 @@ def _scratch_buffer(num_bytes: int) -> torch.Tensor:
     return buf
 
 
+def scratch_bytes(t: int, k: int, h: int, i: int, n: int) -> int:
+    """Bytes of scratch one call over t tokens needs (the kernel must be loaded)."""
+    return _lazy.get().library.specmoe_moe_scratch_bytes(t, k, h, i, n)
+
+
+def scratch_for(t: int, k: int, h: int, i: int, n: int) -> torch.Tensor:
+    """This thread's scratch, large enough for one call over t tokens (for callers that
+    hand the kernel to native code, as the fused decoder driver does; the kernel must be
+    loaded)."""
+    return _scratch_buffer(scratch_bytes(t, k, h, i, n))
+
+
 def applies(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether `try_moe_bf16` would run the kernel on x with these expert weights (kernels
     on and built, bf16 on CPU, intermediate size a multiple of 16, no autograd). Shapes are

@@ -1,10 +1,12 @@
-"""The decoder layers of a dense bf16 model on CPU in one native call per forward.
+"""The decoder layers of a bf16 model on CPU in one native call per forward.
 
 `DecoderModel.forward` runs its layers through `FusedLayers.try_run` when every layer is a
-plain dense pre-norm block (`DecoderLayer` with `GatedMLP`, no q/k norm or clipping, no
-hooks, one RoPE table) whose projections are bf16 `Linear`s with packed weights or
-`Int4Linear`s on our int4 kernel (at most `gemv_int4.MAX_ROWS` rows then, as a draft
-model's steps have), and the kernels take the shapes. Otherwise, and with the CPU kernels
+plain pre-norm block (`DecoderLayer`, no q/k clipping, no per-head q/k norm, no hooks, one
+RoPE table) whose MLP is a `GatedMLP` or a sparse MoE block the driver runs as its modules
+do (`specmoe.models.fused_moe`: the "fused" expert backend, no expert-stats recorder), whose
+projections are bf16 `Linear`s with packed weights or (dense ones) `Int4Linear`s on our
+int4 kernel (at most `gemv_int4.MAX_ROWS` rows then, as a draft model's steps have), and
+the kernels take the shapes. Otherwise, and with the CPU kernels
 switched off, it runs the modules one by one, which are the reference: the driver calls the
 same kernels with the same arguments (`specmoe.kernels.decoder`), so the two give the same
 bits (tests/models/test_fused_layers.py). Inputs the modules would reject (a position past
@@ -28,7 +30,7 @@ import operator
 import torch
 from torch.nn.modules import module as torch_module
 
-from specmoe.kernels import attention, decoder, gemv_int4
+from specmoe.kernels import attention, decoder, gemv_int4, moe
 from specmoe.kernels.gemv import PackedWeight
 from specmoe.layers.attention import Attention
 from specmoe.layers.linear import Linear
@@ -37,10 +39,14 @@ from specmoe.layers.norm import RMSNorm
 from specmoe.layers.paged_attention import AttentionMetadata
 from specmoe.layers.quantization import Int4Linear
 from specmoe.layers.rotary import RotaryEmbedding
+from specmoe.models import fused_moe
 from specmoe.models.decoder_layer import DecoderLayer
 
 BF16 = torch.bfloat16
-PER_LAYER = 12  # sources per layer: 2 norms, 4 x (weights, bias), 2 caches
+# sources per layer: 4 norms (q and k: None unless OLMoE's), 4 x (weights, bias) (MLP ones
+# None in a MoE layer), 2 caches, the MoE block's (None in a dense layer)
+PER_LAYER = 14 + fused_moe.PER_MOE
+MOE_AT = 14  # where a layer's MoE sources start
 
 _enabled = True
 _generation = 0  # module, parameter and buffer assignments seen anywhere
@@ -72,8 +78,13 @@ def set_enabled(enabled: bool) -> None:
 
 def _modules_of(layer) -> list:
     attn, mlp = layer.attn, layer.mlp
-    return [layer, layer.input_norm, layer.post_attn_norm, attn, attn.rotary, mlp,
-            attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+    mods = [layer, layer.input_norm, layer.post_attn_norm, attn, attn.rotary, attn.qkv_proj,
+            attn.o_proj]
+    if attn.qk_norm != "none":
+        mods += [attn.q_norm, attn.k_norm]
+    if type(mlp) is GatedMLP:
+        return mods + [mlp, mlp.gate_up_proj, mlp.down_proj]
+    return mods + fused_moe.moe_modules(mlp)
 
 
 def _hook_dicts(modules) -> list:
@@ -94,14 +105,20 @@ def _hooked(hook_dicts: list) -> bool:
 
 
 def _plain_layer(layer, rotary, eps: float, scale: float) -> bool:
-    """A dense pre-norm block the driver computes as the modules do."""
+    """A pre-norm block the driver computes as the modules do: a dense SwiGLU MLP or a
+    MoE block `fused_moe.plain_moe` takes; no q/k norm or OLMoE's over the whole query and
+    key projections."""
     attn = getattr(layer, "attn", None)
-    return (type(layer) is DecoderLayer and type(attn) is Attention
-            and type(layer.mlp) is GatedMLP and type(layer.input_norm) is RMSNorm
+    if not (type(layer) is DecoderLayer and type(attn) is Attention
+            and (type(layer.mlp) is GatedMLP or fused_moe.plain_moe(layer.mlp))
+            and type(layer.input_norm) is RMSNorm
             and type(layer.post_attn_norm) is RMSNorm and attn.rotary is rotary
-            and type(rotary) is RotaryEmbedding and attn.qk_norm == "none"
+            and type(rotary) is RotaryEmbedding and attn.qk_norm in ("none", "full")
             and attn.clip_qkv is None and attn.scale == scale
-            and layer.input_norm.eps == layer.post_attn_norm.eps == eps)
+            and layer.input_norm.eps == layer.post_attn_norm.eps == eps):
+        return False
+    return attn.qk_norm == "none" or (type(attn.q_norm) is RMSNorm is type(attn.k_norm)
+                                      and attn.q_norm.eps == attn.k_norm.eps == eps)
 
 
 def _dims_supported(config) -> bool:
@@ -119,8 +136,8 @@ def _projection_shapes(cfg) -> tuple[tuple[int, int], ...]:
 
 
 def _layer_rows(sources: list) -> list[list]:
-    """`sources` (`FusedLayers._sources`) per layer: norm weights, 4 x (weights, bias), k and
-    v caches."""
+    """`sources` (`FusedLayers._sources`) per layer: norm weights (input, post-attention, q,
+    k), 4 x (weights, bias), k and v caches, the MoE block's sources."""
     return [sources[j:j + PER_LAYER] for j in range(2, len(sources), PER_LAYER)]
 
 
@@ -145,6 +162,8 @@ def _projection(m, shape: tuple[int, int]) -> tuple:
 
 
 def _lin(weights, bias) -> decoder.Lin:
+    if weights is None:  # a MoE layer's dense MLP slots
+        return decoder.Lin(None, None, 0)
     if isinstance(weights, gemv_int4.Int4Weights):
         return decoder.Lin(ctypes.addressof(weights._c), None, 1)
     return decoder.Lin(weights.data_ptr(), None if bias is None else bias.data_ptr(), 0)
@@ -167,6 +186,11 @@ class FusedLayers:
         self._table = self._dims = None
         self._has_int4 = False
         self._num_slots = 0
+        self._moes: list = []  # the C `Moe` records the table points at
+        # (block, its recorder, its expert backend) per MoE block: plain attributes, which
+        # `set_expert_stats` and `set_moe_backend` assign without a generation change
+        self._moe_state: list = []
+        self._moe_sizes: decoder.MoeSizes | None = None
 
     def invalidate(self) -> None:
         """Rebuild the table at the next forward (after edits it cannot see: storage
@@ -199,7 +223,7 @@ class FusedLayers:
             return None
         out = x.contiguous().clone()
         decoder.run_layers(self._dims, self._table, out, positions, meta.slot_mapping,
-                           meta.sequences, meta.sliding_window or 0)
+                           meta.sequences, meta.sliding_window or 0, self._moe_sizes)
         return out
 
     def _inputs_ok(self, t: int, positions: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -210,6 +234,11 @@ class FusedLayers:
                 and positions.dtype is torch.int64 is slots.dtype and positions.is_cpu
                 and slots.is_cpu and positions.is_contiguous() and slots.is_contiguous()):
             return False
+        sizes = self._moe_sizes
+        if sizes.any and moe.scratch_bytes(t, sizes.top_k, self._dims.hidden,
+                                           sizes.intermediate, sizes.num_experts
+                                           ) > moe.SCRATCH_BUDGET:
+            return False  # the modules run the experts in chunks of tokens
         p_min, p_max = map(int, torch.aminmax(positions))
         s_min, s_max = map(int, torch.aminmax(slots))
         return 0 <= p_min and p_max < self._dims.max_position and 0 <= s_min \
@@ -217,12 +246,14 @@ class FusedLayers:
 
     def _unchanged(self, kv_caches) -> bool:
         """Whether the table is current (see the module docstring): the same KV caches, no
-        assignment or packed copy change since it was built, no forward hooks. Only kept
+        assignment or packed copy change since it was built, no forward hooks, each MoE
+        block's expert-stats recorder and expert backend the ones it was built with. Only kept
         while every bf16 projection's weight is released to the meta device: a dense one
         may change its values in place, which `_sources` follows through
         `PackedWeight.get` on every forward."""
         return (self._generation == generation() and len(kv_caches) == len(self._kv)
-                and all(map(operator.is_, kv_caches, self._kv)) and not _hooked(self._hooks))
+                and all(map(operator.is_, kv_caches, self._kv)) and not _hooked(self._hooks)
+                and all(b.stats is st and b.run_experts is run for b, st, run in self._moe_state))
 
     def _rebuild(self, model, kv_caches) -> bool:
         """Gather the sources and rebuild the table; False when the fused path does not
@@ -230,7 +261,7 @@ class FusedLayers:
         self._generation = None
         now = generation()
         sources = self._sources(model, kv_caches)
-        if sources is None or not self._fits(model.config, sources):
+        if sources is None or not self._fits(model, sources):
             return False
         ptrs = [s.data_ptr() for s in sources if isinstance(s, torch.Tensor)]
         if self._key is None or len(sources) != len(self._key) or ptrs != self._ptrs or any(
@@ -239,7 +270,11 @@ class FusedLayers:
             self._ptrs = ptrs
         modules = [m for layer in model.layers for m in _modules_of(layer)]
         self._kv, self._hooks = list(kv_caches), _hook_dicts(modules)
-        if all(m.weight.is_meta for m in modules if type(m) is Linear):
+        self._moe_state = [(m, m.stats, m.run_experts) for m in (
+            layer.mlp for layer in model.layers) if type(m) is not GatedMLP]
+        if all(m.weight.is_meta for m in modules if type(m) is Linear) and all(
+                fused_moe.weights_released(layer.mlp) for layer in model.layers
+                if type(layer.mlp) is not GatedMLP):
             self._generation = now
         return True
 
@@ -259,19 +294,30 @@ class FusedLayers:
                 return None
             attn, mlp = layer.attn, layer.mlp
             out += [layer.input_norm.weight, layer.post_attn_norm.weight]
-            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            out += ([attn.q_norm.weight, attn.k_norm.weight] if attn.qk_norm == "full"
+                    else [None, None])
+            dense = type(mlp) is GatedMLP
+            projections = (attn.qkv_proj, attn.o_proj, *((mlp.gate_up_proj, mlp.down_proj)
+                                                         if dense else ()))
             for m, shape in zip(projections, shapes):
                 weights, bias = _projection(m, shape)
                 if weights is None:
                     return None
                 out += [weights, bias]
-            out += [k_cache, v_cache]
+            moe_sources = [None] * fused_moe.PER_MOE
+            if not dense:
+                out += [None] * 4
+                moe_sources = fused_moe.moe_sources(mlp, cfg.hidden_size)
+                if moe_sources is None:
+                    return None
+            out += [k_cache, v_cache, *moe_sources]
         return out
 
-    def _fits(self, cfg, sources: list) -> bool:
+    def _fits(self, model, sources: list) -> bool:
         """Whether every tensor of `sources` has the dtype, device, layout and shape the
         kernels take (packed weights are checked by `PackedWeight`, int4 ones by
         `Int4Weights`, their shapes by `_projection`)."""
+        cfg = model.config
         h, hd = cfg.hidden_size, cfg.head_dim
         cos, sin = sources[:2]
         if not (cos.dtype is sin.dtype is torch.float32 and cos.is_contiguous()
@@ -279,30 +325,41 @@ class FusedLayers:
                 and cos.shape[1] * 2 == hd):
             return False
         # the norms, then the projections' biases (their out sizes)
-        sizes = (h, h, *(out for out, _ in _projection_shapes(cfg)))
+        qn, kvn = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+        sizes = (h, h, qn, kvn, *(out for out, _ in _projection_shapes(cfg)))
         rows = _layer_rows(sources)
-        for row in rows:
-            vectors = row[:2] + row[3:10:2]
+        for row, layer in zip(rows, model.layers):
+            vectors = row[:4] + row[5:12:2]
             if not all(_bf16_vector(t, size) for t, size in zip(vectors, sizes)):
                 return False
-            k, v = row[10:]
+            if row[MOE_AT + 2] is not None and not all(
+                    _bf16_vector(t, size) for t, size in zip(
+                        [row[MOE_AT + j] for j in (1, 5, 7, 9)],
+                        fused_moe.bias_sizes(layer.mlp, h))):
+                return False
+            k, v = row[12:14]
             if not (k.shape == v.shape and k.dim() == 3
                     and k.shape[1:] == (cfg.num_key_value_heads, hd) and all(
                         c.is_cpu and c.dtype is BF16 and c.is_contiguous() for c in (k, v))):
                 return False
-        int4 = any(isinstance(w, gemv_int4.Int4Weights) for row in rows for w in row[2:10:2])
+        int4 = any(isinstance(w, gemv_int4.Int4Weights) for row in rows for w in row[4:12:2])
         return not int4 or decoder.int4_available()
 
     def _build(self, model, sources: list) -> None:
         cfg, layer0 = model.config, model.layers[0]
         rows = _layer_rows(sources)
-        layers = [decoder.Layer(row[0].data_ptr(), row[1].data_ptr(),
-                                *(_lin(row[k], row[k + 1]) for k in range(2, 10, 2)),
-                                row[10].data_ptr(), row[11].data_ptr()) for row in rows]
+        self._moes = [None if row[MOE_AT + 2] is None else fused_moe.build_moe(
+            layer.mlp, row[MOE_AT:]) for row, layer in zip(rows, model.layers)]
+        layers = [decoder.Layer(*(None if t is None else t.data_ptr() for t in row[:4]),
+                                *(_lin(row[k], row[k + 1]) for k in range(4, 12, 2)),
+                                None if m is None else ctypes.pointer(m),
+                                row[12].data_ptr(), row[13].data_ptr())
+                  for row, m in zip(rows, self._moes)]
         self._table = (decoder.Layer * len(layers))(*layers)
+        self._moe_sizes = decoder.MoeSizes(layers)
         self._has_int4 = any(lin.int4 for lay in layers
                              for lin in (lay.qkv, lay.o, lay.gate_up, lay.down))
-        self._num_slots = min(row[10].shape[0] for row in rows)  # k and v alike (`_fits`)
+        self._num_slots = min(row[12].shape[0] for row in rows)  # k and v alike (`_fits`)
         cos, sin = sources[:2]
         self._dims = decoder.Dims(
             cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
