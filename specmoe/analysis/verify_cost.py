@@ -21,37 +21,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 
 from specmoe.analysis.presets import Preset, fill_synthetic_
 from specmoe.bench.roofline import synchronize
 from specmoe.layers.moe.backends import moe_blocks, set_expert_stats
-from specmoe.layers.moe.router import RoutingResult
+from specmoe.layers.moe.replay_router import ReplayRouter
 from specmoe.layers.moe.stats import ExpertStatsRecorder
 from specmoe.loader.model_loader import DTYPES, LoadedModel, default_dtype
 from specmoe.models.decoder import DecoderModel
 from specmoe.worker.model_runner import ModelRunner, SequenceInput
 
 BLOCK_SIZE = 16
-
-
-class ReplayRouter(nn.Module):
-    """Runs the wrapped router (its gate matmul, softmax and top-k), then returns the ids
-    set in `next_ids` ([num_tokens, top_k] int64) with equal weights 1/k, or the wrapped
-    router's own result when `next_ids` is None."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-        self.next_ids: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor) -> RoutingResult:
-        own = self.inner(x)
-        if self.next_ids is None:
-            return own
-        ids = self.next_ids
-        return RoutingResult(ids, torch.full(ids.shape, 1.0 / ids.shape[1], dtype=x.dtype,
-                                             device=x.device))
 
 
 def build_synthetic(preset: Preset, dtype: str = "bfloat16", device: str = "cpu",

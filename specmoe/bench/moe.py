@@ -50,7 +50,7 @@ from specmoe.config import ArchConfig, MoEConfig
 from specmoe.layers.linear import prepack_weights
 from specmoe.layers.moe.backends import MOE_BACKENDS, moe_blocks, set_moe_backend
 from specmoe.layers.moe.block import SparseMoEBlock
-from specmoe.layers.moe.router import RoutingResult
+from specmoe.layers.moe.replay_router import ReplayRouter
 from specmoe.loader.model_loader import DTYPES, default_dtype, resolve_device
 from specmoe.utils import hugepages
 from specmoe.worker.model_runner import ModelRunner, SequenceInput
@@ -159,26 +159,6 @@ class MoECase:
     arch: ArchConfig
     routing: object
     build_model: Callable[[], ModelRunner] | None = None
-
-
-class ForcedRouter(nn.Module):
-    """Runs the wrapped router (its gate matmul, softmax and top-k cost real time), then
-    returns the ids in `next_ids` ([T, k] int64) with equal weights 1/k; the wrapped
-    router's own result while `next_ids` is None. (The study's `ReplayRouter` has the same
-    `next_ids` attribute: a model built with it is used as it is.)"""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-        self.next_ids: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor) -> RoutingResult:
-        own = self.inner(x)
-        if self.next_ids is None:
-            return own
-        ids = self.next_ids
-        return RoutingResult(ids, torch.full(ids.shape, 1.0 / ids.shape[1], dtype=x.dtype,
-                                             device=x.device))
 
 
 # ---------------------------------------------------------------- accounting
@@ -307,21 +287,21 @@ def fill_random_(module: nn.Module, seed: int) -> None:
 
 def build_layer(arch: ArchConfig, dtype: torch.dtype, device: torch.device, seed: int
                 ) -> SparseMoEBlock:
-    """One MoE layer of `arch`'s shape with random weights and a `ForcedRouter`."""
+    """One MoE layer of `arch`'s shape with random weights and a `ReplayRouter`."""
     with default_dtype(dtype), device:
         block = SparseMoEBlock(arch.hidden_size, arch.moe, layer_idx=0)
     fill_random_(block, seed)
-    block.router = ForcedRouter(block.router)
+    block.router = ReplayRouter(block.router)
     return block.eval().requires_grad_(False)
 
 
 def force_routing(model: nn.Module) -> list[SparseMoEBlock]:
     """Every MoE block of `model` with a router that takes `next_ids` (wrapped in a
-    `ForcedRouter` unless it has one already)."""
+    `ReplayRouter` unless it has one already)."""
     blocks = moe_blocks(model)
     for b in blocks:
         if not hasattr(b.router, "next_ids"):
-            b.router = ForcedRouter(b.router)
+            b.router = ReplayRouter(b.router)
     return blocks
 
 

@@ -30,6 +30,7 @@ from specmoe.engine.validation import MIN_TEMPERATURE, RequestValidator  # noqa:
 from specmoe.sample.ops import SamplingTensors, compute_probs  # noqa: E402
 from specmoe.sampling_params import (MAX_SPECULATIVE_TOKENS, MAX_TEMPERATURE,  # noqa: E402
                                      SamplingParams)
+from tiny_models import save_tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -277,14 +278,8 @@ NEIGHBOUR = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 def llm(tmp_path_factory) -> LLM:
     """A random 1-layer Llama (vocabulary 64, context 32, no tokenizer) with n-gram
     speculation (K=3), so fuzzed params also go through draft verification."""
-    import transformers
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-        bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny_llama_fuzz")
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    path = save_tiny_llama(tmp_path_factory.mktemp("tiny_llama_fuzz"), vocab_size=VOCAB_SIZE,
+                           max_position_embeddings=32)
     return LLM(str(path), dtype="float32",
                speculative={"method": "ngram", "num_speculative_tokens": 3})
 

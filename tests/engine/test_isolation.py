@@ -19,6 +19,7 @@ from specmoe import LLM, SamplingParams
 from specmoe.engine import core
 from specmoe.engine.async_engine import AsyncEngine, RequestFailedError
 from specmoe.engine.isolation import run_isolated
+from tiny_models import save_tiny_llama
 
 FORWARD_POISON = 499  # a prompt holding this token makes the target forward raise
 PROPOSE_POISON = 498  # ... makes the proposer raise
@@ -28,15 +29,9 @@ VERIFY_POISON_SEED = 4242  # a request with this seed makes verification raise
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory) -> LLM:
     """A random 2-layer Llama (vocabulary 512, context 256) with n-gram speculation (K=3)."""
-    import torch
-    import transformers
-    config = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny_llama_isolation")
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    path = save_tiny_llama(tmp_path_factory.mktemp("tiny_llama_isolation"), hidden_size=64,
+                           intermediate_size=128, num_hidden_layers=2,
+                           max_position_embeddings=256)
     plain = LLM(str(path), dtype="float32", scheduler={"max_num_seqs": 16, "block_size": 16})
     return plain.with_speculative({"method": "ngram", "num_speculative_tokens": 3})
 

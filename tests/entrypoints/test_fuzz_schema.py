@@ -48,6 +48,7 @@ from specmoe import LLM  # noqa: E402
 from specmoe.entrypoints.openai import protocol as P  # noqa: E402
 from specmoe.entrypoints.openai.api_server import build_app  # noqa: E402
 from specmoe.entrypoints.openai.serving import APIError  # noqa: E402
+from tiny_models import save_tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -64,15 +65,9 @@ FUZZ = settings(derandomize=True, database=None, deadline=None,
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory) -> LLM:
     """A random 1-layer Llama with the tiny-moe tokenizer files, n-gram speculation K=3."""
-    import torch
-    import transformers
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_MODEL_LEN,
-        bos_token_id=None, eos_token_id=0, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny_llama_fuzz_server")
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    path = save_tiny_llama(tmp_path_factory.mktemp("tiny_llama_fuzz_server"),
+                           vocab_size=VOCAB_SIZE, max_position_embeddings=MAX_MODEL_LEN,
+                           bos_token_id=None, eos_token_id=0)
     tokenizer = Path(specmoe.__file__).parent / "models_data" / "tiny-moe"
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(tokenizer / name, path / name)

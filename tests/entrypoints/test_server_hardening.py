@@ -20,6 +20,7 @@ from specmoe import LLM  # noqa: E402
 from specmoe.entrypoints.openai import protocol as P  # noqa: E402
 from specmoe.entrypoints.openai import serving as S  # noqa: E402
 from specmoe.entrypoints.openai.api_server import build_app  # noqa: E402
+from tiny_models import save_tiny_llama  # noqa: E402
 
 MODEL = "tiny"
 PROMPT = [5, 6, 7]
@@ -29,15 +30,7 @@ LIMIT = 64 * 1024  # max_request_bytes of these apps
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory) -> LLM:
     """A random 1-layer Llama, vocabulary 512, context 128, no tokenizer files."""
-    import torch
-    import transformers
-    config = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny_llama_server")
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    path = save_tiny_llama(tmp_path_factory.mktemp("tiny_llama_server"))
     return LLM(str(path), dtype="float32")
 
 
