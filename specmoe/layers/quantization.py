@@ -14,6 +14,11 @@ The kernels are fast for bfloat16 activations only (float32 ones take a path ~25
 so activations are rounded to bfloat16 for the matmul and the result is cast back; the
 references round the same way.
 
+MoE blocks' routed experts become `QuantizedRoutedExperts` (the same int4 layout, all experts
+stacked, through the same int4 kernel per active expert; or int8 through torch's kernel), and
+the shared expert's projections are `Linear`s quantised like any other; routers and the shared
+expert's sigmoid gate stay in full precision.
+
 Their cost grows with the number of input rows (ours too, though more slowly), unlike the
 bf16 kernel whose cost stays almost flat up to ~8 rows, so they suit the draft model (one
 token per forward) more than a target that verifies K + 1 tokens at once.
@@ -27,6 +32,9 @@ from torch import nn
 
 from specmoe.config import QUANTIZATION_METHODS
 from specmoe.kernels import gemv, gemv_int4
+from specmoe.layers.mlp import silu_and_mul
+from specmoe.layers.moe.block import SparseMoEBlock
+from specmoe.layers.moe.experts import RoutedExperts
 
 INT4_GROUP_SIZE = 32
 _INT4_N_ALIGN = 64  # the CPU int4 kernel works on tiles of output channels
@@ -49,11 +57,7 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> "Int8Linear":
-        w = weight.float()
-        scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [out]
-        scales = scales.to(KERNEL_DTYPE).float()  # round first, so q is exact for them
-        q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-        return cls(q, scales.to(KERNEL_DTYPE), bias)
+        return cls(*quantize_int8(weight), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out] in x's dtype."""
@@ -68,6 +72,16 @@ class Int8Linear(nn.Module):
         w = self.qweight.float() * self.scales.float()[:, None]
         y = F.linear(x.to(KERNEL_DTYPE).float(), w).to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 quantisation per output channel of weight [out, in]: q [out, in] int8
+    in [-127, 127] and scales [out] bfloat16, W ~ q * scales[:, None]."""
+    w = weight.float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [out]
+    scales = scales.to(KERNEL_DTYPE).float()  # round first, so q is exact for them
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales.to(KERNEL_DTYPE)
 
 
 class Int4Linear(nn.Module):
@@ -152,6 +166,16 @@ def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE
     if not can_int4(weight, group_size):
         raise ValueError(f"int4 needs in_features % {group_size} == 0 and out_features % "
                          f"{_INT4_N_ALIGN} == 0; got weight {tuple(weight.shape)}")
+    q, scale, zero = _int4_groups(weight, group_size)
+    sz = torch.cat([scale, zero], dim=-1)               # [out, groups, 2]
+    return q, sz.transpose(0, 1).contiguous().to(KERNEL_DTYPE)
+
+
+def _int4_groups(weight: torch.Tensor, group_size: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The math of `quantize_int4` for weight [out, in] with in % group_size == 0 (no
+    tiling check): q [out, in] int32 in [0, 15], and scale, zero [out, in / G, 1] float32
+    holding bfloat16 values."""
     n, k = weight.shape
     w = weight.float().reshape(n, k // group_size, group_size)
     lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
@@ -160,8 +184,7 @@ def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE
     scale = ((hi - lo) / 15).clamp(min=1e-12).to(KERNEL_DTYPE).float()  # [out, groups, 1]
     zero = (lo + 8 * scale).to(KERNEL_DTYPE).float()
     q = torch.round((w - zero) / scale + 8).clamp(0, 15).to(torch.int32).reshape(n, k)
-    sz = torch.cat([scale, zero], dim=-1)               # [out, groups, 2]
-    return q, sz.transpose(0, 1).contiguous().to(KERNEL_DTYPE)
+    return q, scale, zero
 
 
 def int4_dequantize(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
@@ -183,29 +206,267 @@ def int4_linear_reference(x: torch.Tensor, q: torch.Tensor, scales_and_zeros: to
     return y if bias is None else y + bias
 
 
+class QuantizedRoutedExperts(nn.Module):
+    """N SwiGLU experts (`RoutedExperts`' math) with weight-only int4 or int8 weights, all
+    experts stacked, built by `from_experts` (which `quantize_model` calls for every MoE
+    block), so that a forward reads 0.625 (int4) or ~1 (int8) byte per active expert weight
+    instead of bf16's 2.
+
+    int4 (`method="int4"`, needs H and I multiples of 32): each projection row in groups of
+    32 inputs, asymmetric min/max as `quantize_int4` (which also needs out % 64, for
+    torch's tiling; these never run torch's int4 kernel), stored in the layout of our int4
+    kernel (`gemv_int4.pack_int4`), expert after expert:
+        w13_packed [N, 2I, H / 2] uint8, w13_scales, w13_zeros [N, 2I, H / 32] bfloat16,
+        w2_packed [N, H, I / 2] uint8, w2_scales, w2_zeros [N, H, I / 32] bfloat16,
+    with W[e, n, 32 g + j] = (q - 8) * scale[e, n, g] + zero[e, n, g]. int8 (`"int8"`, or
+    int4 asked for shapes it cannot group): w13_qweight [N, 2I, H], w2_qweight [N, H, I]
+    int8 and w13_scales [N, 2I], w2_scales [N, H] bfloat16, W = q * scale (as `Int8Linear`).
+    All are buffers (they move with the module, and into huge pages), and the bf16 weights
+    are gone: `weight_bytes()` is what a forward can read.
+
+    Forward (`forward`; the "fused", "grouped" and "grouped_mm" backends all run it): the
+    (token, slot) pairs sorted by expert, one host read of the counts, then per active
+    expert its gathered rows through our int4 kernel (`gemv_int4.Int4Weights.linear`, one
+    view per expert) for gate/up, the SiLU-and-mul kernel, the int4 kernel for down (int8:
+    torch's `_weight_int8pack_mm`); then a token's k outputs weighted in float32 and summed
+    in slot order, rounded once, as the fused bf16 kernel does. With the int4 kernel a
+    token's bits do not depend on the other tokens as long as no expert gets more than
+    `gemv_int4.MAX_SPLIT_ROWS` rows (any number in `gemv_int4.set_batch_invariant` mode),
+    the dense int4 layers' rule. Where a kernel does not apply (another device, kernels off
+    or unbuilt, a CPU without AVX-512) an expert runs the plain-torch math
+    (`expert_forward_reference`). The fused one-call MoE kernel (`specmoe.kernels.moe`) takes
+    bf16 panels only, so an int4 expert layer is one Python loop over active experts, and
+    the fused decoder driver does not take it (`specmoe.models.fused_moe.plain_moe`).
+    """
+
+    def __init__(self, method: str, num_experts: int, hidden_size: int,
+                 intermediate_size: int, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        if method not in QUANTIZATION_METHODS:
+            raise ValueError(f"unknown quantization {method!r}: choose one of "
+                             f"{QUANTIZATION_METHODS}")
+        self.method = method
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        for name in _EXPERT_BUFFERS[method]:
+            self.register_buffer(name, tensors[name])
+        self.reads_packed = True  # set by `set_moe_backend`, as on `RoutedExperts`
+        self._views: tuple | None = None  # per expert `Int4Weights` of w13 and w2
+        self._views_key: tuple | None = None
+
+    @classmethod
+    def from_experts(cls, experts: RoutedExperts, method: str) -> "QuantizedRoutedExperts":
+        """The quantised copy of `experts` (whose dense weights may have been released to
+        their packed copies), one expert at a time (memory peaks at the new weights plus one
+        expert in float32). "int4" falls back to "int8" unless H and I are multiples of 32.
+
+        Raises:
+            ValueError: for an unknown method.
+        """
+        if method not in QUANTIZATION_METHODS:
+            raise ValueError(f"unknown quantization {method!r}: choose one of "
+                             f"{QUANTIZATION_METHODS}")
+        n, i = experts.num_experts, experts.intermediate_size
+        h = experts.w13.shape[-1]
+        if method == "int4" and (h % INT4_GROUP_SIZE or i % INT4_GROUP_SIZE):
+            method = "int8"
+        parts: dict[str, list[torch.Tensor]] = {name: [] for name in _EXPERT_BUFFERS[method]}
+        with torch.no_grad():
+            cls._quantize_each(experts, method, parts)
+        tensors = {name: torch.stack(ts) for name, ts in parts.items()}
+        return cls(method, n, h, i, tensors)
+
+    @staticmethod
+    def _quantize_each(experts: RoutedExperts, method: str,
+                       parts: dict[str, list[torch.Tensor]]) -> None:
+        for e in range(experts.num_experts):
+            for prefix, weights, cache in (("w13", experts.w13, experts.w13_panels),
+                                           ("w2", experts.w2, experts.w2_panels)):
+                w = _expert_weight(weights, cache, e)
+                if method == "int4":
+                    got = pack_int4_groups(w)
+                    names = ("packed", "scales", "zeros")
+                else:
+                    got = quantize_int8(w)
+                    names = ("qweight", "scales")
+                for name, t in zip(names, got):
+                    parts[f"{prefix}_{name}"].append(t)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the quantised weights, scales and zeros (everything a forward reads)."""
+        return sum(b.nbytes for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        return (f"{self.method}, num_experts={self.num_experts}, hidden={self.hidden_size}, "
+                f"intermediate={self.intermediate_size}")
+
+    # -- per expert ----------------------------------------------------------------------
+
+    def _kernel_views(self) -> tuple | None:
+        """Per expert `gemv_int4.Int4Weights` views of (w13, w2), rebuilt when the buffers
+        moved (huge pages, `.to()`); None without the int4 kernel's layout on this CPU."""
+        if self.method != "int4" or not self.w13_packed.is_cpu or \
+                gemv_int4.cpu_unsupported_reason():
+            return None
+        bufs = [getattr(self, name) for name in _EXPERT_BUFFERS["int4"]]
+        key = tuple(b.data_ptr() for b in bufs)
+        if self._views_key != key:
+            p13, s13, z13, p2, s2, z2 = bufs
+            self._views = (
+                [gemv_int4.Int4Weights(p13[e], s13[e], z13[e]) for e in range(self.num_experts)],
+                [gemv_int4.Int4Weights(p2[e], s2[e], z2[e]) for e in range(self.num_experts)])
+            self._views_key = key
+        return self._views
+
+    def dequantized(self, which: str, e: int, dtype: torch.dtype = torch.float32
+                    ) -> torch.Tensor:
+        """Expert e's `which` ("w13" [2I, H] or "w2" [H, I]) weight as the quantised values
+        define it."""
+        if self.method == "int4":
+            return int4_unpack_dequantize(getattr(self, f"{which}_packed")[e],
+                                          getattr(self, f"{which}_scales")[e],
+                                          getattr(self, f"{which}_zeros")[e], dtype)
+        q, s = getattr(self, f"{which}_qweight")[e], getattr(self, f"{which}_scales")[e]
+        return (q.float() * s.float()[:, None]).to(dtype)
+
+    def _project(self, which: str, index: int, e: int, x: torch.Tensor,
+                 views: tuple | None) -> torch.Tensor:
+        """x [n, in] @ expert e's `which` weight^T -> [n, out] in x's dtype."""
+        if views is not None:
+            y = views[index][e].linear(x)
+            if y is not None:
+                return y
+        elif self.method == "int8" and x.is_cpu and self.w13_qweight.is_cpu:
+            return torch.ops.aten._weight_int8pack_mm(
+                x.to(KERNEL_DTYPE).contiguous(), getattr(self, f"{which}_qweight")[e],
+                getattr(self, f"{which}_scales")[e]).to(x.dtype)
+        return F.linear(x.to(KERNEL_DTYPE).float(), self.dequantized(which, e)).to(x.dtype)
+
+    def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e on x [n, H] -> [n, H] in x's dtype (the kernels where they apply)."""
+        views = self._kernel_views()
+        h = silu_and_mul(self._project("w13", 0, e, x, views))
+        return self._project("w2", 1, e, h, views)
+
+    def expert_forward_reference(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Plain torch: dequantise, then float32 matmuls on x rounded to bfloat16, each
+        projection's output rounded to x's dtype as the kernels round it."""
+        h = F.linear(x.to(KERNEL_DTYPE).float(), self.dequantized("w13", e)).to(x.dtype)
+        gate, up = h.float().chunk(2, dim=-1)
+        act = (F.silu(gate) * up).to(x.dtype)
+        return F.linear(act.to(KERNEL_DTYPE).float(), self.dequantized("w2", e)).to(x.dtype)
+
+    # -- the layer -------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+                ) -> torch.Tensor:
+        """x [T, H]; topk_ids [T, k] int64; topk_weights [T, k]. Returns [T, H] in x's dtype:
+        out[t] = sum over slots s in order of topk_weights[t, s] * expert(x[t]) in float32,
+        rounded once. One host sync (the per-expert counts)."""
+        return self._combine(x, topk_ids, topk_weights, self.expert_forward)
+
+    # The backends `set_moe_backend` names: none has a separate int4 kernel yet.
+    forward_fused = forward
+    forward_grouped_mm = forward
+
+    def forward_reference(self, x: torch.Tensor, topk_ids: torch.Tensor,
+                          topk_weights: torch.Tensor) -> torch.Tensor:
+        """Plain-torch reference of `forward`, per token (`expert_forward_reference`)."""
+        num_tokens, top_k = topk_ids.shape
+        out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+        for t in range(num_tokens):
+            for j in range(top_k):
+                y = self.expert_forward_reference(int(topk_ids[t, j]), x[t:t + 1])
+                out[t] += y[0].float() * topk_weights[t, j].float()
+        return out.to(x.dtype)
+
+    def _combine(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 expert_fn) -> torch.Tensor:
+        num_tokens, top_k = topk_ids.shape
+        flat_ids = topk_ids.reshape(-1)                       # [T * k]
+        order = torch.argsort(flat_ids, stable=True)          # pairs grouped by expert
+        xs = x[order // top_k]                                # [T * k, H], sorted rows
+        ys = torch.empty_like(xs)
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                ys[start:start + n] = expert_fn(e, xs[start:start + n])
+                start += n
+        weighted = ys.float() * topk_weights.reshape(-1)[order].float().unsqueeze(1)
+        pairs = torch.empty_like(weighted).index_copy_(0, order, weighted)
+        pairs = pairs.view(num_tokens, top_k, x.shape[1])     # back to (token, slot)
+        out = pairs[:, 0].clone()
+        for j in range(1, top_k):                             # slot order, one rounding
+            out += pairs[:, j]
+        return out.to(x.dtype)
+
+
+_EXPERT_BUFFERS = {
+    "int4": ("w13_packed", "w13_scales", "w13_zeros", "w2_packed", "w2_scales", "w2_zeros"),
+    "int8": ("w13_qweight", "w13_scales", "w2_qweight", "w2_scales"),
+}
+
+
+def _expert_weight(weights: torch.Tensor, cache, e: int) -> torch.Tensor:
+    """Expert e's dense weight, unpacked from the packed copy where it was released."""
+    if not weights.is_meta:
+        return weights[e]
+    return gemv.unpack_weight(cache.get(weights)[e], *weights.shape[1:]).to(weights.dtype)
+
+
+def pack_int4_groups(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`quantize_int4`'s quantisation of weight [out, in] (in % group_size == 0, any out)
+    straight into our int4 kernel's layout: what `gemv_int4.pack_int4` makes of
+    `quantize_int4`'s output (packed [out, in / 2] uint8, scales and zeros [out, in / G]
+    bfloat16)."""
+    q, scale, zero = _int4_groups(weight, group_size)
+    q8 = q.to(torch.uint8).reshape(q.shape[0], -1, 2)
+    packed = (q8[..., 0] | (q8[..., 1] << 4)).contiguous()
+    return packed, scale[..., 0].to(KERNEL_DTYPE), zero[..., 0].to(KERNEL_DTYPE)
+
+
+def int4_unpack_dequantize(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                           dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight [..., out, in] that `pack_int4`'s layout represents:
+    (q - 8) * scale + zero per group, in float32, then cast to dtype."""
+    q = torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2).float()  # [..., out, in]
+    groups = scales.shape[-1]
+    w = (q.unflatten(-1, (groups, -1)) - 8) * scales.float()[..., None] \
+        + zeros.float()[..., None]
+    return w.flatten(-2).to(dtype)
+
+
 def speculation_caveat(model: nn.Module) -> str | None:
     """Why greedy speculative decoding on `model` may not give the tokens of plain decoding
-    because of its quantised layers (their sums change order with the rows of a forward), or
-    None where they cannot: no quantised layer, or only int4 layers on our CPU kernel in
-    batch-invariant mode (`gemv_int4.set_batch_invariant`). Judged now: switching kernels or
-    the mode later changes the answer.
+    because of its quantised layers or experts (their sums change order with the rows of a
+    forward), or None where they cannot: nothing quantised, or only int4 layers and experts
+    on our CPU kernel in batch-invariant mode (`gemv_int4.set_batch_invariant`). Judged
+    now: switching kernels or the mode later changes the answer.
     """
     layers = [m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
+    experts = [m for m in model.modules() if isinstance(m, QuantizedRoutedExperts)]
     if any(isinstance(m, Int8Linear) for m in layers):
         return "its int8 layers run torch's int8 kernel, which is not batch-invariant"
-    if not layers:
+    if any(m.method == "int8" for m in experts):
+        return "its int8 experts run torch's int8 kernel, which is not batch-invariant"
+    if not layers and not experts:
         return None
-    if any(not m.is_cpu for m in layers):
+    if any(not m.is_cpu for m in layers) or any(not m.w13_packed.is_cpu for m in experts):
         return "off CPU its int4 layers run the plain-torch reference, not batch-invariant"
     reason = gemv_int4.kernel_unavailable_reason() if gemv.is_enabled() else "switched off"
-    if reason is not None or any(m.cpu_kernel is None for m in layers):
+    if reason is not None or any(m.cpu_kernel is None for m in layers) or any(
+            m._kernel_views() is None for m in experts):
         return (f"our int4 kernel cannot run ({reason or 'unsupported layer'}), and torch's "
-                "int4 kernel is not batch-invariant")
+                "int4 kernel and the plain-torch reference are not batch-invariant")
     if gemv_int4.is_batch_invariant():
         return None
     return (f"its kernel sums a token's outputs in one order only up to "
-            f"{gemv_int4.MAX_SPLIT_ROWS} rows per forward (e.g. 4 requests with K <= 7; "
-            f"{gemv_int4.BATCH_INVARIANT_ENV}=1: any number, slower prefill)")
+            f"{gemv_int4.MAX_SPLIT_ROWS} rows per forward (per expert for MoE experts; e.g. "
+            f"4 requests with K <= 7; {gemv_int4.BATCH_INVARIANT_ENV}=1: any number, slower "
+            "prefill)")
 
 
 def can_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> bool:
@@ -235,15 +496,21 @@ _KEEP_FULL_PRECISION = ("router.gate", "shared_expert_gate")
 
 def quantize_model(model: nn.Module, method: str) -> int:
     """Replace every dense projection of `model` (attention, MLP, shared expert, LM head) by
-    its weight-only quantised version; routed experts, routers, embeddings and norms stay.
+    its weight-only quantised version, and every MoE block's routed experts by
+    `QuantizedRoutedExperts` (whose forward then runs under the block's expert backend); the
+    bf16 weights are dropped. Routers, the shared expert's sigmoid gate, embeddings and norms
+    stay.
 
     Returns:
-        the number of layers replaced.
+        the number of layers and expert sets replaced.
     Raises:
         ValueError: for an unknown method.
     """
     from specmoe.layers.embed_head import TiedProjection
     from specmoe.layers.linear import Linear
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"unknown quantization {method!r}: choose one of "
+                         f"{QUANTIZATION_METHODS}")
     targets = [(name, m) for name, m in model.named_modules()
                if isinstance(m, (Linear, TiedProjection))
                and not name.endswith(_KEEP_FULL_PRECISION)]
@@ -254,4 +521,12 @@ def quantize_model(model: nn.Module, method: str) -> int:
         quantized = quantize_linear(module.weight.data, None if bias is None else bias.data,
                                     method)
         setattr(parent, child, quantized)
-    return len(targets)
+    blocks = [m for m in model.modules()
+              if isinstance(m, SparseMoEBlock) and isinstance(m.experts, RoutedExperts)]
+    for block in blocks:
+        # the backend chosen for the bf16 experts, by name, on the new ones (a bound method
+        # of the old ones would also keep their bf16 weights alive)
+        backend = getattr(getattr(block.run_experts, "__func__", None), "__name__", "forward")
+        block.experts = QuantizedRoutedExperts.from_experts(block.experts, method)
+        block.run_experts = getattr(block.experts, backend, block.experts.forward)
+    return len(targets) + len(blocks)

@@ -9,7 +9,8 @@ itself calls (`specmoe.kernels.router`: softmax in fp32, top-k with the lower-id
 calls (`RoutedExperts.forward_fused`), the shared expert through the linear and SiLU-and-mul
 kernels and its sigmoid gate as torch.sigmoid rounds it. So it takes a block only where the
 modules take exactly those kernels: the "fused" backend on bf16 experts whose intermediate
-size is a multiple of 16, a router the router kernel takes, bf16 `Linear` gates and a
+size is a multiple of 16 (not `QuantizedRoutedExperts`: `--quantization` makes the modules
+run), a router the router kernel takes, bf16 `Linear` gates and a
 `GatedMLP` shared expert, and no expert-stats recorder (`NullExpertStats`: the driver hands
 no routing back to Python, so a recorder makes the block run as modules, which record).
 """

@@ -52,11 +52,14 @@ def set_moe_backend(model: nn.Module, name: str) -> None:
         raise ValueError(f"unknown MoE backend {name!r}: choose one of {sorted(MOE_BACKENDS)}")
     for block in moe_blocks(model):
         experts = block.experts
-        if name not in PACKED_BACKENDS and experts.w13.is_meta:
+        dense = getattr(experts, "w13", None)  # quantised experts have no dense weights
+        if name not in PACKED_BACKENDS and dense is not None and dense.is_meta:
             raise ValueError(f"MoE backend {name!r} needs the experts' dense weights, which "
                              "were released for the native kernel")
         experts.reads_packed = name in PACKED_BACKENDS
-        block.run_experts = MOE_BACKENDS[name].__get__(experts)
+        # by name: quantised experts (`specmoe.layers.quantization.QuantizedRoutedExperts`)
+        # have their own methods of these names
+        block.run_experts = getattr(experts, MOE_BACKENDS[name].__name__)
 
 
 def set_expert_stats(model: nn.Module, recorder) -> None:
