@@ -84,7 +84,8 @@ def _poison_scratch() -> None:
     unwritten shows in its output instead of a previous call's values."""
     buf = getattr(moe._scratch, "buf", None)
     if buf is not None:
-        buf.fill_(0xFF)
+        with torch.inference_mode():  # an earlier model forward may have made it there
+            buf.fill_(0xFF)
 
 
 def _fused(experts: RoutedExperts, x, ids, weights, num_threads=None) -> torch.Tensor:
