@@ -34,6 +34,7 @@ import torch
 
 from specmoe.analysis.presets import Preset
 from specmoe.bench.roofline import measure_read_bandwidth, synchronize
+from specmoe.kernels.gemv import PackedWeight
 from specmoe.layers.linear import linear
 
 PROBE_ROWS = [1, 2, 3, 4, 6, 8, 12, 16, 17, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512,
@@ -106,14 +107,19 @@ def _weight_pieces(num_bytes: int, dtype: torch.dtype, device: str,
 
 
 def _time_rows(pieces: list[torch.Tensor], rows: int, repeats: int = 2) -> float:
-    """Best-of-`repeats` seconds of an m-row `linear` through every piece."""
+    """Best-of-`repeats` seconds of an m-row `linear` through every piece, on the pieces'
+    packed copies where the native kernel reads packed weights (as a loaded model's layers
+    do: without them `linear` would repack every piece at every call and time that)."""
     x = torch.ones(rows, pieces[0].shape[1], dtype=pieces[0].dtype, device=pieces[0].device)
+    packed = [PackedWeight() for _ in pieces]
+    for w, cache in zip(pieces, packed):
+        linear(x[:1], w, packed=cache)  # packs once, outside the timing
     best = float("inf")
     for _ in range(repeats):
         synchronize(x.device)
         start = time.perf_counter()
-        for w in pieces:
-            linear(x, w)
+        for w, cache in zip(pieces, packed):
+            linear(x, w, packed=cache)
         synchronize(x.device)
         best = min(best, time.perf_counter() - start)
     return best
