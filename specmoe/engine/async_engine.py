@@ -29,7 +29,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from specmoe.engine.detokenizer import IncrementalDetokenizer
+from specmoe.engine.detokenizer import IncrementalDetokenizer, safe_stream_text
 from specmoe.outputs import RequestOutput, SpecDecodeStats, TokenLogprob
 from specmoe.request import Request
 
@@ -486,19 +486,3 @@ class AsyncEngine:
             fn(arg)
         except Exception:  # noqa: BLE001 - metrics never take the engine down
             logger.exception("engine observer failed")
-
-
-def safe_stream_text(text: str, stop: list[str]) -> str:
-    """The prefix of `text` that can be streamed now: without a trailing U+FFFD (an incomplete
-    UTF-8 character decodes as one) and without its longest suffix that begins some stop
-    string (more tokens may complete that stop string, which the final text cuts). So a
-    stream never shows what the non-streamed text would not."""
-    text = text.rstrip("\ufffd")
-    if not stop:
-        return text
-    longest = max(len(s) for s in stop)
-    for start in range(max(0, len(text) - longest + 1), len(text)):
-        tail = text[start:]
-        if any(s.startswith(tail) for s in stop):
-            return text[:start]
-    return text

@@ -1,5 +1,5 @@
 """Incremental detokenization: the text of a growing list of output tokens without decoding
-the whole list at every step.
+the whole list at every step; and `safe_stream_text`, the part of it a stream may show.
 
 Each update decodes only a window: the tokens from `prefix_offset` (the start of the last
 emitted chunk, kept as context so merges and leading spaces decode as in the full text) to
@@ -34,3 +34,19 @@ class IncrementalDetokenizer:
             self.text += new_text[len(prefix_text):]
             self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
         return self.text
+
+
+def safe_stream_text(text: str, stop: list[str]) -> str:
+    """The prefix of `text` that can be streamed now: without a trailing U+FFFD (an incomplete
+    UTF-8 character decodes as one) and without its longest suffix that begins some stop
+    string (more tokens may complete that stop string, which the final text cuts). So a
+    stream never shows what the non-streamed text would not."""
+    text = text.rstrip("\ufffd")
+    if not stop:
+        return text
+    longest = max(len(s) for s in stop)
+    for start in range(max(0, len(text) - longest + 1), len(text)):
+        tail = text[start:]
+        if any(s.startswith(tail) for s in stop):
+            return text[:start]
+    return text

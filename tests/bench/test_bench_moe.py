@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from specmoe.bench.moe import (MoEBenchConfig, backend_stats, build_layer, expert_bytes,
-                               layer_active_params, layer_bytes, layer_fixed_bytes,
-                               model_bytes, prepare_backends, target_of, unique_experts)
+from specmoe.bench.moe import MoEBenchConfig, build_layer, prepare_backends
+from specmoe.bench.moe_accounting import (backend_stats, expert_bytes, layer_active_params,
+                                         layer_bytes, layer_fixed_bytes, model_bytes,
+                                         target_of, unique_experts)
 from specmoe.bench.moe_report import PNG
 from specmoe.bench.roofline import weight_bytes_per_token
 from specmoe.config import ArchConfig, MoEConfig

@@ -12,8 +12,8 @@ import asyncio
 import pytest
 
 from specmoe import LLM, SamplingParams
-from specmoe.engine.async_engine import (AsyncEngine, QueueFullError, RequestFailedError,
-                                         safe_stream_text)
+from specmoe.engine.async_engine import AsyncEngine, QueueFullError, RequestFailedError
+from specmoe.engine.detokenizer import safe_stream_text
 from specmoe.engine.block_pool import PrefixCacheStats
 from specmoe.engine.output_processor import OutputProcessor
 from specmoe.engine.stats import EngineStats

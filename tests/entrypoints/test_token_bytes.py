@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from specmoe.entrypoints.openai.serving import TokenBytes
+from specmoe.entrypoints.openai.token_bytes import TokenBytes
 
 tokenizers = pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
