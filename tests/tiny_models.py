@@ -21,3 +21,15 @@ def save_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
     config = transformers.LlamaConfig(**{**TINY_LLAMA, **overrides})
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     return path
+
+
+def random_bf16_experts(n: int, h: int, i: int, seed: int = 0):
+    """N random bf16 SwiGLU experts (H=h, I=i) scaled so that activations stay O(1), for the
+    expert kernel tests."""
+    from specmoe.layers.moe.experts import RoutedExperts
+    torch.manual_seed(seed)
+    experts = RoutedExperts(n, h, i)
+    with torch.no_grad():
+        experts.w13.normal_(0, h ** -0.5)
+        experts.w2.normal_(0, i ** -0.5)
+    return experts.to(torch.bfloat16).requires_grad_(False)

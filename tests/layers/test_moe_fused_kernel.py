@@ -14,6 +14,7 @@ from kernel_checks import require_kernel
 from specmoe.kernels import elementwise, gemv, moe
 from specmoe.layers.linear import prepack_weights
 from specmoe.layers.moe.experts import RoutedExperts
+from tiny_models import random_bf16_experts
 
 KERNEL_UNAVAILABLE_REASON = moe.kernel_unavailable_reason  # for the `enabled` fixture
 U = 2.0 ** -8  # bf16 unit roundoff (8 significant bits, round to nearest)
@@ -21,14 +22,7 @@ U = 2.0 ** -8  # bf16 unit roundoff (8 significant bits, round to nearest)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _experts(n: int, h: int, i: int, seed: int = 0) -> RoutedExperts:
-    """Random bf16 experts scaled so that activations stay O(1)."""
-    torch.manual_seed(seed)
-    experts = RoutedExperts(n, h, i)
-    with torch.no_grad():
-        experts.w13.normal_(0, h ** -0.5)
-        experts.w2.normal_(0, i ** -0.5)
-    return experts.to(torch.bfloat16).requires_grad_(False)
+_experts = random_bf16_experts
 
 
 def _routing(t: int, n: int, k: int, gen: torch.Generator, skewed: bool = False,

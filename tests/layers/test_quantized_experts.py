@@ -28,7 +28,7 @@ from specmoe.layers.quantization import (Int4Linear, QuantizedRoutedExperts,
                                          pack_int4_groups, quantize_int4, quantize_model,
                                          speculation_caveat)
 from specmoe.loader.model_loader import load_model
-from specmoe.models import fused_layers
+from tiny_models import random_bf16_experts
 
 U = 2.0 ** -8  # bf16 unit roundoff
 KERNEL_UNAVAILABLE_REASON = gemv_int4.kernel_unavailable_reason  # for the `enabled` fixture
@@ -36,13 +36,7 @@ KERNEL_UNAVAILABLE_REASON = gemv_int4.kernel_unavailable_reason  # for the `enab
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _experts(n: int, h: int, i: int, seed: int = 0) -> RoutedExperts:
-    torch.manual_seed(seed)
-    experts = RoutedExperts(n, h, i)
-    with torch.no_grad():
-        experts.w13.normal_(0, h ** -0.5)
-        experts.w2.normal_(0, i ** -0.5)
-    return experts.to(torch.bfloat16).requires_grad_(False)
+_experts = random_bf16_experts
 
 
 def _routing(t: int, n: int, k: int, gen: torch.Generator, skewed: bool = False):
