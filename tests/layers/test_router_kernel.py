@@ -63,6 +63,8 @@ def test_the_router_module_routes_through_the_kernel(enabled, monkeypatch):
     monkeypatch.setattr("specmoe.layers.moe.router.try_route_softmax_bf16",
                         lambda *a: calls.append(1) or real(*a))
     r = TopKRouter(64, 16, 4, True).to(BF16)
+    with torch.no_grad():  # Linear leaves its weight uninitialised (the loader fills it)
+        r.gate.weight.copy_(torch.randn(16, 64, generator=torch.Generator().manual_seed(0)))
     x = torch.randn(5, 64).to(BF16)
     with torch.no_grad():
         out, ref = r(x), r.forward_reference(x)
