@@ -133,7 +133,7 @@ class EngineCore:
             if self.has_unfinished_requests:
                 raise RuntimeError("no request could be scheduled; the KV cache is too small")
             return []
-        self._failed: list[Request] = []
+        self._failed = []
         t0 = time.perf_counter()
         logits = self._forward(out.scheduled)
         sampled = [s for s in out.scheduled if s.request_id in logits]
