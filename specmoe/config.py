@@ -13,6 +13,9 @@ SPECULATIVE_METHODS = ("ngram", "draft")
 QUANTIZATION_METHODS = ("int8", "int4")
 # How routed experts run (`specmoe.layers.moe.backends`): "auto" picks per device and kernels.
 MOE_BACKEND_CHOICES = ("auto", "fused", "grouped", "grouped_mm", "reference")
+# Router options (`specmoe.layers.moe.router`), DeepSeek-V2/V3's names.
+SCORING_FUNCS = ("softmax", "sigmoid")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
 @dataclass
@@ -27,6 +30,16 @@ class MoEConfig:
         shared_expert_intermediate_size: width of the always-on shared expert (0: none).
         has_shared_expert_gate: scale the shared expert by sigmoid(x @ w_gate) (Qwen2-MoE).
         moe_layers: indices of layers whose MLP is an MoE block (others are dense).
+        scoring_func: "softmax" (Mixtral, Qwen-MoE, OLMoE, DeepSeek-V2) or "sigmoid"
+            (DeepSeek-V3) over the router logits.
+        topk_method: "greedy" (top-k over all experts), "group_limited_greedy" (DeepSeek-V2:
+            keep the topk_group groups with the largest maximum score, then top-k inside
+            them) or "noaux_tc" (DeepSeek-V3: choose on score + a learnt per-expert
+            correction bias, groups ranked by the sum of their two best, weights from the
+            uncorrected scores).
+        n_group: expert groups (N must be a multiple); 1 unless grouped.
+        topk_group: groups kept per token by the grouped methods.
+        routed_scaling_factor: the routed experts' output is scaled by it (DeepSeek).
     """
 
     num_experts: int
@@ -36,11 +49,35 @@ class MoEConfig:
     shared_expert_intermediate_size: int = 0
     has_shared_expert_gate: bool = False
     moe_layers: list[int] = field(default_factory=list)
+    scoring_func: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"invalid MoE top_k={self.top_k}: must be in [1, num_experts="
                              f"{self.num_experts}]")
+        if self.scoring_func not in SCORING_FUNCS:
+            raise ValueError(f"invalid MoE scoring_func={self.scoring_func!r}: choose one of "
+                             f"{SCORING_FUNCS}")
+        if self.topk_method not in TOPK_METHODS:
+            raise ValueError(f"invalid MoE topk_method={self.topk_method!r}: choose one of "
+                             f"{TOPK_METHODS}")
+        grouped = self.topk_method != "greedy"
+        if self.n_group < 1 or self.num_experts % self.n_group or (
+                grouped and not 1 <= self.topk_group <= self.n_group):
+            raise ValueError(f"invalid MoE groups n_group={self.n_group}, topk_group="
+                             f"{self.topk_group} for {self.num_experts} experts: n_group must "
+                             f"divide num_experts and 1 <= topk_group <= n_group")
+        if grouped and self.top_k > self.topk_group * (self.num_experts // self.n_group):
+            raise ValueError(f"invalid MoE top_k={self.top_k}: more than the "
+                             f"{self.topk_group} kept groups of "
+                             f"{self.num_experts // self.n_group} experts hold")
+        if not self.routed_scaling_factor > 0:
+            raise ValueError(f"invalid MoE routed_scaling_factor="
+                             f"{self.routed_scaling_factor}: must be > 0")
 
 
 @dataclass

@@ -35,6 +35,7 @@ def plain_moe(block) -> bool:
     """A `SparseMoEBlock` the driver computes as its modules do (see the module docstring);
     shapes and dtypes are checked by `moe_sources`."""
     if not (type(block) is SparseMoEBlock and type(block.router) is TopKRouter
+            and block.router.is_softmax_topk
             and type(block.experts) is RoutedExperts
             and type(block.stats) is NullExpertStats):
         return False

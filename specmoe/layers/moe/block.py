@@ -28,7 +28,7 @@ class SparseMoEBlock(nn.Module):
     def __init__(self, hidden_size: int, moe: MoEConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.router = TopKRouter(hidden_size, moe.num_experts, moe.top_k, moe.norm_topk_prob)
+        self.router = TopKRouter.from_config(hidden_size, moe)
         self.experts = RoutedExperts(moe.num_experts, hidden_size, moe.moe_intermediate_size)
         self.shared_expert = None
         self.shared_expert_gate = None
