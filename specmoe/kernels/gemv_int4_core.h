@@ -113,8 +113,8 @@ static inline void prepare_row(const void *x, int x_is_bf16, int64_t row, int64_
 /* x [T, K] (bf16 or fp32) -> xp [NB, T, 128] bf16 (blocks of 4 groups as prepare_block
  * orders them) and xs [NS / 16, T, 16] fp32 group sums of the rounded x (zeros past K / 32);
  * input rows innermost, so a block's x for all rows sits together at fixed offsets. */
-static void prepare_x(const void *x, int x_is_bf16, int64_t T, int64_t K, int64_t NB,
-                      int64_t NS, uint16_t *xp, float *xs) {
+static inline void prepare_x(const void *x, int x_is_bf16, int64_t T, int64_t K,
+                             int64_t NB, int64_t NS, uint16_t *xp, float *xs) {
     for (int64_t t = 0; t < T; t++)
         prepare_row(x, x_is_bf16, t * K, K, NB, NS, xp + t * BLOCK_ELEMS, T * BLOCK_ELEMS,
                     xs + t * 16, T * 16);
