@@ -15,9 +15,10 @@ so activations are rounded to bfloat16 for the matmul and the result is cast bac
 references round the same way.
 
 MoE blocks' routed experts become `QuantizedRoutedExperts` (the same int4 layout, all experts
-stacked, through the same int4 kernel per active expert; or int8 through torch's kernel), and
-the shared expert's projections are `Linear`s quantised like any other; routers and the shared
-expert's sigmoid gate stay in full precision.
+stacked, the whole layer in one call of the fused int4 MoE kernel `specmoe.kernels.moe_int4`,
+which computes each expert with the int4 kernel's arithmetic; or int8 through torch's kernel),
+and the shared expert's projections are `Linear`s quantised like any other; routers and the
+shared expert's sigmoid gate stay in full precision.
 
 Their cost grows with the number of input rows (ours too, though more slowly), unlike the
 bf16 kernel whose cost stays almost flat up to ~8 rows, so they suit the draft model (one
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specmoe.config import QUANTIZATION_METHODS
-from specmoe.kernels import gemv, gemv_int4
+from specmoe.kernels import gemv, gemv_int4, moe_int4
 from specmoe.layers.mlp import silu_and_mul
 from specmoe.layers.moe.block import SparseMoEBlock
 from specmoe.layers.moe.experts import RoutedExperts
@@ -224,19 +225,24 @@ class QuantizedRoutedExperts(nn.Module):
     All are buffers (they move with the module, and into huge pages), and the bf16 weights
     are gone: `weight_bytes()` is what a forward can read.
 
-    Forward (`forward`; the "fused", "grouped" and "grouped_mm" backends all run it): the
-    (token, slot) pairs sorted by expert, one host read of the counts, then per active
+    Forward (`forward`; the "fused", "grouped" and "grouped_mm" backends all run it). int4
+    with bf16 activations on CPU, kernels on: one call of the fused int4 MoE kernel
+    (`moe_int4.try_moe_int4` on the stacked buffers, `_fused_experts`): the (token, slot)
+    pairs sorted by expert inside it, no host sync, each active expert's int4 weights read
+    once for all of its rows, each projection the int4 kernel's arithmetic, SiLU-and-mul,
+    then a token's k outputs weighted in float32 and summed in slot order, rounded once. A
+    token's bits then depend only on its own row, at any number of tokens and rows per
+    expert. Elsewhere (int8, float32 activations, another device, kernels off or unbuilt)
+    `forward_loop`: the pairs sorted by expert, one host read of the counts, then per active
     expert its gathered rows through our int4 kernel (`gemv_int4.Int4Weights.linear`, one
     view per expert) for gate/up, the SiLU-and-mul kernel, the int4 kernel for down (int8:
-    torch's `_weight_int8pack_mm`); then a token's k outputs weighted in float32 and summed
-    in slot order, rounded once, as the fused bf16 kernel does. With the int4 kernel a
-    token's bits do not depend on the other tokens as long as no expert gets more than
-    `gemv_int4.MAX_SPLIT_ROWS` rows (any number in `gemv_int4.set_batch_invariant` mode),
-    the dense int4 layers' rule. Where a kernel does not apply (another device, kernels off
-    or unbuilt, a CPU without AVX-512) an expert runs the plain-torch math
-    (`expert_forward_reference`). The fused one-call MoE kernel (`specmoe.kernels.moe`) takes
-    bf16 panels only, so an int4 expert layer is one Python loop over active experts, and
-    the fused decoder driver does not take it (`specmoe.models.fused_moe.plain_moe`).
+    torch's `_weight_int8pack_mm`; a CPU without AVX-512, kernels off, another device: the
+    plain-torch math of `expert_forward_reference`), then the same float32 slot-order sum.
+    The one call has the loop's bits wherever the loop runs the int4 kernel for every
+    expert: at most `gemv_int4.MAX_SPLIT_ROWS` rows per expert, or any number in
+    `gemv_int4.set_batch_invariant` mode (beyond, by default, the loop multiplies bf16
+    copies of the weights and its bits depend on the other tokens). `forward_reference` is
+    the plain-torch oracle of both.
     """
 
     def __init__(self, method: str, num_experts: int, hidden_size: int,
@@ -254,6 +260,8 @@ class QuantizedRoutedExperts(nn.Module):
         self.reads_packed = True  # set by `set_moe_backend`, as on `RoutedExperts`
         self._views: tuple | None = None  # per expert `Int4Weights` of w13 and w2
         self._views_key: tuple | None = None
+        self._fused: moe_int4.Int4Experts | None = None  # all experts, for the one call
+        self._fused_key: tuple | None = None
 
     @classmethod
     def from_experts(cls, experts: RoutedExperts, method: str) -> "QuantizedRoutedExperts":
@@ -319,6 +327,20 @@ class QuantizedRoutedExperts(nn.Module):
             self._views_key = key
         return self._views
 
+    def _fused_experts(self) -> moe_int4.Int4Experts | None:
+        """The stacked int4 buffers as the fused int4 MoE kernel takes them, rebuilt when
+        the buffers moved (huge pages, `.to()`); None for int8, off CPU, or on a CPU without
+        the int4 kernel's instructions."""
+        if self.method != "int4" or not self.w13_packed.is_cpu or \
+                gemv_int4.cpu_unsupported_reason():
+            return None
+        bufs = [getattr(self, name) for name in _EXPERT_BUFFERS["int4"]]
+        key = tuple(b.data_ptr() for b in bufs)
+        if self._fused_key != key:
+            self._fused = moe_int4.Int4Experts(*bufs)
+            self._fused_key = key
+        return self._fused
+
     def dequantized(self, which: str, e: int, dtype: torch.dtype = torch.float32
                     ) -> torch.Tensor:
         """Expert e's `which` ("w13" [2I, H] or "w2" [H, I]) weight as the quantised values
@@ -363,10 +385,28 @@ class QuantizedRoutedExperts(nn.Module):
                 ) -> torch.Tensor:
         """x [T, H]; topk_ids [T, k] int64; topk_weights [T, k]. Returns [T, H] in x's dtype:
         out[t] = sum over slots s in order of topk_weights[t, s] * expert(x[t]) in float32,
-        rounded once. One host sync (the per-expert counts)."""
+        rounded once. One native call where the fused int4 MoE kernel applies, else
+        `forward_loop` (see the class docstring).
+
+        Raises:
+            ValueError: (the one call) shapes that do not fit, ids not int64, or an expert id
+                outside [0, N), named.
+        """
+        experts = self._fused_experts()
+        if experts is not None:
+            out = moe_int4.try_moe_int4(x, topk_ids, topk_weights, experts)
+            if out is not None:
+                return out
+        return self.forward_loop(x, topk_ids, topk_weights)
+
+    def forward_loop(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+                     ) -> torch.Tensor:
+        """`forward` as a Python loop over the active experts (`expert_forward`, the
+        kernels where they apply), then the float32 slot-order sum. One host sync (the
+        per-expert counts)."""
         return self._combine(x, topk_ids, topk_weights, self.expert_forward)
 
-    # The backends `set_moe_backend` names: none has a separate int4 kernel yet.
+    # The backends `set_moe_backend` names all run `forward` (the one call where it applies).
     forward_fused = forward
     forward_grouped_mm = forward
 
