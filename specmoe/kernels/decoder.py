@@ -3,9 +3,10 @@
 The C driver calls the linear (bf16 `gemv`, or `gemv_int4` for int4 projections), RMSNorm,
 RoPE, SiLU-and-mul and attention kernels (`elementwise`, `attention`) layer after layer,
 and for a sparse MoE layer the router (`router`: softmax top-k) and the fused experts
-(`moe`), with the arguments the Python modules pass them, so its output has the same bits
-as the modules'. It saves the Python dispatch between them, a share of every decode step that
-grows as the model gets smaller (most for a small int4 draft model).
+(`moe`, or `moe_int4` for int4 experts), with the arguments the Python modules pass them,
+so its output has the same bits as the modules'. It saves the Python dispatch between
+them, a share of every decode step that grows as the model gets smaller (most for a small
+int4 draft model).
 `specmoe.models.fused_layers` builds the tables from a model; its test checks the bits
 against the module path.
 """
@@ -16,7 +17,7 @@ import ctypes
 
 import torch
 
-from specmoe.kernels import attention, elementwise, gemv, gemv_int4, moe, router
+from specmoe.kernels import attention, elementwise, gemv, gemv_int4, moe, moe_int4, router
 from specmoe.kernels.build import LazyKernel, load
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -26,7 +27,7 @@ class Kernels(ctypes.Structure):
     """The kernels' addresses (C `Kernels`)."""
     _fields_ = [(name, _P) for name in ("linear", "linear_int4", "rms_norm", "rotary",
                                         "silu_and_mul", "attention", "route", "moe",
-                                        "sigmoid")]
+                                        "sigmoid", "moe_int4")]
 
 
 class Dims(ctypes.Structure):
@@ -46,12 +47,14 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
 class Moe(ctypes.Structure):
-    """A sparse MoE block (C `Moe`): the router's gate, the experts' packed weights, sizes,
-    and the shared expert and its gate (`Lin` with w None: absent)."""
+    """A sparse MoE block (C `Moe`): the router's gate, the experts' weights (bf16: the
+    packed w13 and w2; `int4` set: the addresses of `moe_int4.Int4Experts`' two
+    `struct specmoe_int4_weights`), sizes, and the shared expert and its gate (`Lin` with w
+    None: absent)."""
     _fields_ = [("gate", Lin), ("w13", _P), ("w2", _P)] + [
         (name, _I) for name in ("num_experts", "top_k", "intermediate", "norm_topk_prob")] + [
         (name, Lin) for name in ("shared_gate_up", "shared_down", "shared_gate")] + [
-        ("shared_intermediate", _I)]
+        ("shared_intermediate", _I), ("int4", _I)]
 
 
 class Layer(ctypes.Structure):
@@ -74,11 +77,17 @@ class Step(ctypes.Structure):
 
 class MoeSizes:
     """What a step's MoE scratch must hold, the largest over the MoE layers: experts N,
-    top-k k, routed intermediate size, shared-expert intermediate size (0: none)."""
+    top-k k, routed intermediate size, shared-expert intermediate size (0: none); and which
+    kernels they call: `bf16` / `int4` (any layer with bf16 / int4 routed experts),
+    `int4_linear` (any int4 shared-expert projection: at most `gemv_int4.MAX_ROWS` rows)."""
 
     def __init__(self, layers) -> None:
         moes = [lay.moe.contents for lay in layers if lay.moe]
         self.any = bool(moes)
+        self.bf16 = any(not m.int4 for m in moes)
+        self.int4 = any(m.int4 for m in moes)
+        self.int4_linear = any(lin.int4 for m in moes
+                               for lin in (m.shared_gate_up, m.shared_down, m.shared_gate))
         self.num_experts = max((m.num_experts for m in moes), default=0)
         self.top_k = max((m.top_k for m in moes), default=0)
         self.intermediate = max((m.intermediate for m in moes), default=0)
@@ -151,6 +160,26 @@ def moe_available() -> bool:
     return True
 
 
+def moe_int4_available() -> bool:
+    """Whether the driver can call the router and the fused int4 MoE kernels, loading
+    them now for the driver if needed (only models with int4 experts ask)."""
+    if not moe_available():
+        return False
+    kernels = _lazy.get()[1]
+    if kernels.moe_int4 is None:
+        fn = moe_int4._lazy.get()
+        kernels.moe_int4 = None if fn is None else ctypes.cast(fn, _P).value
+    return kernels.moe_int4 is not None
+
+
+def moe_scratch_bytes(sizes: MoeSizes, t: int, hidden: int) -> int:
+    """Bytes of MoE scratch a step of t rows needs: the largest layer's, for the kernels
+    its MoE layers call (0 without MoE layers; the kernels must be loaded)."""
+    args = (t, sizes.top_k, hidden, sizes.intermediate, sizes.num_experts)
+    need = moe.scratch_bytes(*args) if sizes.bf16 else 0
+    return max(need, moe_int4.scratch_bytes(*args)) if sizes.int4 else need
+
+
 def run_layers(dims: Dims, layers: ctypes.Array, x: torch.Tensor, positions: torch.Tensor,
                slots: torch.Tensor, seqs, window: int, sizes: MoeSizes | None = None) -> None:
     """Run `layers` over the residual stream x in place.
@@ -165,7 +194,8 @@ def run_layers(dims: Dims, layers: ctypes.Array, x: torch.Tensor, positions: tor
         sizes: `MoeSizes(layers)` (computed here if None).
     The caller has checked what the kernels check (dtypes, contiguity, head_dim, positions
     within the RoPE tables, at most `gemv_int4.MAX_ROWS` rows for int4 projections,
-    `moe_available()` for MoE layers; `specmoe.models.fused_layers` does).
+    `moe_available()` for MoE layers, `moe_int4_available()` for int4 ones;
+    `specmoe.models.fused_layers` does).
     Raises:
         RuntimeError: the driver is unavailable, or a kernel refused its arguments or ran
             out of memory for its work space (naming the layer and step; the layers before
@@ -183,7 +213,8 @@ def run_layers(dims: Dims, layers: ctypes.Array, x: torch.Tensor, positions: tor
         dims.hidden, qn + 2 * kvn, qn, qn, 2 * inter, inter)]
     if sizes.any:
         n, k, h = sizes.num_experts, sizes.top_k, dims.hidden
-        scratch = moe.scratch_for(t, k, h, sizes.intermediate, n)
+        scratch = moe_int4.scratch_buffer(moe_scratch_bytes(sizes, t, h)) if sizes.int4 \
+            else moe.scratch_for(t, k, h, sizes.intermediate, n)
         bufs += [torch.empty(t, n, dtype=torch.bfloat16), torch.empty(t, k, dtype=torch.int64),
                  torch.empty(t, k, dtype=torch.bfloat16), torch.empty(t, h, dtype=torch.bfloat16),
                  torch.empty(t, h, dtype=torch.bfloat16), torch.empty(t, dtype=torch.bfloat16),

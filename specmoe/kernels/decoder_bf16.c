@@ -6,7 +6,8 @@
  * modules of specmoe/layers do one call each (specmoe/models/decoder.py DecoderLayer is the
  * reference); the kernels come in as function pointers from their own libraries
  * (gemv_bf16.c or, for int4-quantised projections of up to 16 rows, gemv_int4.c;
- * elementwise_bf16.c, attention_bf16.c), so the results have the same bits.
+ * elementwise_bf16.c, attention_bf16.c; router_bf16.c and moe_bf16.c, or moe_int4.c for
+ * int4 routed experts), so the results have the same bits.
  * What it adds is only the glue the modules did with torch ops: copying the new keys and
  * values into their cache slots, the query rows out of the fused QKV rows, and the residual
  * additions, each rounded to bf16 (round to nearest even) as torch's bf16 add does; in a
@@ -54,6 +55,12 @@ typedef int (*moe_fn)(const uint16_t *x, const int64_t *topk_ids, const void *to
                       void *scratch, int64_t T, int64_t k, int64_t H, int64_t I, int64_t N,
                       int num_threads);
 typedef void (*sigmoid_fn)(const uint16_t *x, uint16_t *out, int64_t n);
+/* moe_int4.c specmoe_moe_int4: moe_fn's arguments, w13 and w2 each a
+ * `struct specmoe_int4_weights` of all experts' rows */
+typedef int (*moe_int4_fn)(const uint16_t *x, const int64_t *topk_ids, const void *topk_weights,
+                           int weights_bf16, const void *w13, const void *w2, uint16_t *out,
+                           void *scratch, int64_t T, int64_t k, int64_t H, int64_t I, int64_t N,
+                           int num_threads);
 
 /* The kernels, from their libraries. */
 typedef struct {
@@ -66,6 +73,7 @@ typedef struct {
     route_fn route;     /* router_bf16.c specmoe_route_softmax_bf16 (MoE layers only) */
     moe_fn moe;         /* moe_bf16.c specmoe_moe_bf16 */
     sigmoid_fn sigmoid; /* router_bf16.c specmoe_sigmoid_bf16 */
+    moe_int4_fn moe_int4; /* moe_int4.c specmoe_moe_int4 (int4 MoE layers only) */
 } Kernels;
 
 /* Sizes shared by every layer, and the RoPE tables [max_position, head_dim / 2] fp32. */
@@ -83,16 +91,18 @@ typedef struct {
     int64_t int4;
 } Lin;
 
-/* A sparse MoE block: the router's gate [N, H] (bf16), every routed expert's packed
- * gate/up and down projections (the layout of moe_bf16.c), and an optional shared SwiGLU
- * expert (shared_gate_up.w NULL: none) with an optional sigmoid gate [1, H] (shared_gate.w
- * NULL: none). */
+/* A sparse MoE block: the router's gate [N, H] (bf16), every routed expert's gate/up and
+ * down projections (bf16 packed in the layout of moe_bf16.c, or with int4 != 0 each a
+ * `struct specmoe_int4_weights` of all experts' rows, moe_int4.c's layout), and an
+ * optional shared SwiGLU expert (shared_gate_up.w NULL: none; bf16 or int4 projections)
+ * with an optional sigmoid gate [1, H] (shared_gate.w NULL: none). */
 typedef struct {
     Lin gate;
-    const uint16_t *w13, *w2;
+    const void *w13, *w2;
     int64_t num_experts, top_k, intermediate, norm_topk_prob;
     Lin shared_gate_up, shared_down, shared_gate;
     int64_t shared_intermediate;
+    int64_t int4;
 } Moe;
 
 /* One layer's norm weights (q_norm and k_norm NULL: none; else RMSNorm over the whole
@@ -112,7 +122,8 @@ typedef struct {
  * and shared-expert intermediate sizes; for MoE layers (else unused) logits [T, N], topk_ids
  * [T, k] int64 and topk_weights [T, k] for the largest N and k, moe_out and shared_out
  * [T, hidden], shared_gate and shared_scale [T], and moe_scratch of
- * specmoe_moe_scratch_bytes bytes for the largest layer. */
+ * specmoe_moe_scratch_bytes bytes for the largest layer (at least
+ * specmoe_moe_int4_scratch_bytes with int4 MoE layers). */
 typedef struct {
     uint16_t *x;
     int64_t T;
@@ -212,9 +223,12 @@ static int moe_block(const Kernels *k, const Dims *d, const Layer *L, const Step
     if (project(k, &m->gate, s->h, s->logits, T, H, N, nt)) return -11;
     if (k->route(s->logits, T, N, K, (int)m->norm_topk_prob, s->topk_ids, s->topk_weights))
         return -12;
-    if (k->moe(s->h, s->topk_ids, s->topk_weights, 1, m->w13, m->w2, s->moe_out,
-               s->moe_scratch, T, K, H, m->intermediate, N, nt) < 1)
-        return -13;
+    const int used = m->int4
+        ? k->moe_int4(s->h, s->topk_ids, s->topk_weights, 1, m->w13, m->w2, s->moe_out,
+                      s->moe_scratch, T, K, H, m->intermediate, N, nt)
+        : k->moe(s->h, s->topk_ids, s->topk_weights, 1, m->w13, m->w2, s->moe_out,
+                 s->moe_scratch, T, K, H, m->intermediate, N, nt);
+    if (used < 1) return -13;
     if (m->shared_gate_up.w) {
         const int64_t I = m->shared_intermediate;
         if (project(k, &m->shared_gate_up, s->h, s->gate_up, T, H, 2 * I, nt)) return -14;

@@ -265,10 +265,11 @@ static void combine_token(const Scratch *s, const void *topk_weights, int weight
     for (int64_t h = 0; h < H; h += 16) {
         __m512 acc = _mm512_setzero_ps();
         for (int64_t j = 0; j < k; j++) {
-            const float wt = weights_bf16 ? bf16_to_f32(((const uint16_t *)topk_weights)[t * k + j])
-                                          : ((const float *)topk_weights)[t * k + j];
+            const int64_t at = t * k + j;
+            const float wt = weights_bf16 ? bf16_to_f32(((const uint16_t *)topk_weights)[at])
+                                          : ((const float *)topk_weights)[at];
             const __m512 p = _mm512_mul_ps(_mm512_set1_ps(wt),
-                                           load_bf16x16(s->ys + (int64_t)s->pos[t * k + j] * H + h));
+                                           load_bf16x16(s->ys + (int64_t)s->pos[at] * H + h));
             acc = j ? _mm512_add_ps(acc, p) : p;
         }
         store_bf16x16(out + t * H + h, acc);

@@ -69,7 +69,7 @@ kernel_unavailable_reason = _lazy.unavailable_reason
 _scratch = threading.local()
 
 
-def _scratch_buffer(num_bytes: int) -> torch.Tensor:
+def scratch_buffer(num_bytes: int) -> torch.Tensor:
     """This thread's scratch, at least `num_bytes` long (grown, never shrunk)."""
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() < num_bytes:
@@ -77,11 +77,15 @@ def _scratch_buffer(num_bytes: int) -> torch.Tensor:
     return buf
 
 
+def scratch_bytes(t: int, k: int, h: int, i: int, n: int) -> int:
+    """Bytes of scratch one call over t tokens needs (the kernel must be loaded)."""
+    return _lazy.get().library.specmoe_moe_int4_scratch_bytes(t, k, h, i, n)
+
+
 def scratch_for(t: int, k: int, h: int, i: int, n: int) -> torch.Tensor:
-    """This thread's scratch, large enough for one call over t tokens (for callers that
-    hand the kernel to native code, as the fused decoder driver does; the kernel must be
+    """This thread's scratch, large enough for one call over t tokens (the kernel must be
     loaded)."""
-    return _scratch_buffer(_lazy.get().library.specmoe_moe_int4_scratch_bytes(t, k, h, i, n))
+    return scratch_buffer(scratch_bytes(t, k, h, i, n))
 
 
 class Int4Experts:
@@ -221,7 +225,7 @@ def run_kernel(kernel, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     per_token = lib.specmoe_moe_int4_scratch_bytes(2, k, h, i, n) - \
         lib.specmoe_moe_int4_scratch_bytes(1, k, h, i, n)
     chunk = max(1, min(t, SCRATCH_BUDGET // per_token))
-    buf = _scratch_buffer(lib.specmoe_moe_int4_scratch_bytes(chunk, k, h, i, n))
+    buf = scratch_buffer(lib.specmoe_moe_int4_scratch_bytes(chunk, k, h, i, n))
     used = 0
     for t0 in range(0, t, chunk):
         t1 = min(t, t0 + chunk)

@@ -3,14 +3,15 @@
 `DecoderModel.forward` runs its layers through `FusedLayers.try_run` when every layer is a
 plain pre-norm block (`DecoderLayer`, no q/k clipping, no per-head q/k norm, no hooks, one
 RoPE table) whose MLP is a `GatedMLP` or a sparse MoE block the driver runs as its modules
-do (`specmoe.models.fused_moe`: the "fused" expert backend, no expert-stats recorder), whose
-projections are bf16 `Linear`s with packed weights or (dense ones) `Int4Linear`s on our
-int4 kernel (at most `gemv_int4.MAX_ROWS` rows then, as a draft model's steps have), and
-the kernels take the shapes. Otherwise, and with the CPU kernels
-switched off, it runs the modules one by one, which are the reference: the driver calls the
-same kernels with the same arguments (`specmoe.kernels.decoder`), so the two give the same
-bits (tests/models/test_fused_layers.py). Inputs the modules would reject (a position past
-the RoPE table, a cache slot out of range) also go to the modules, which raise.
+do (`specmoe.models.fused_moe`: the "fused" expert backend or int4 quantised experts, no
+expert-stats recorder), whose projections are bf16 `Linear`s with packed weights or (dense
+and shared-expert ones) `Int4Linear`s on our int4 kernel (at most `gemv_int4.MAX_ROWS` rows
+then, as a draft model's steps have), and the kernels take the shapes. Otherwise, and with
+the CPU kernels switched off, it runs the modules one by one, which are the reference: the
+driver calls the same kernels with the same arguments (`specmoe.kernels.decoder`), so the
+two give the same bits (tests/models/test_fused_layers.py). Inputs the modules would reject
+(a position past the RoPE table, a cache slot out of range) also go to the modules, which
+raise.
 
 The pointer table is built at a model's first forward and checked in O(1) per forward
 (walking ~1000 module attributes every forward is slow, once a decode step's weights have
@@ -235,9 +236,8 @@ class FusedLayers:
                 and slots.is_cpu and positions.is_contiguous() and slots.is_contiguous()):
             return False
         sizes = self._moe_sizes
-        if sizes.any and moe.scratch_bytes(t, sizes.top_k, self._dims.hidden,
-                                           sizes.intermediate, sizes.num_experts
-                                           ) > moe.SCRATCH_BUDGET:
+        if sizes.any and decoder.moe_scratch_bytes(sizes, t, self._dims.hidden
+                                                   ) > moe.SCRATCH_BUDGET:
             return False  # the modules run the experts in chunks of tokens
         p_min, p_max = map(int, torch.aminmax(positions))
         s_min, s_max = map(int, torch.aminmax(slots))
@@ -357,8 +357,8 @@ class FusedLayers:
                   for row, m in zip(rows, self._moes)]
         self._table = (decoder.Layer * len(layers))(*layers)
         self._moe_sizes = decoder.MoeSizes(layers)
-        self._has_int4 = any(lin.int4 for lay in layers
-                             for lin in (lay.qkv, lay.o, lay.gate_up, lay.down))
+        self._has_int4 = self._moe_sizes.int4_linear or any(
+            lin.int4 for lay in layers for lin in (lay.qkv, lay.o, lay.gate_up, lay.down))
         self._num_slots = min(row[12].shape[0] for row in rows)  # k and v alike (`_fits`)
         cos, sin = sources[:2]
         self._dims = decoder.Dims(
