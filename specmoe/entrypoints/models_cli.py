@@ -1,0 +1,84 @@
+"""`specmoe models`: install, list and carve models."""
+
+from __future__ import annotations
+
+import sys
+
+
+def add_models_parser(sub) -> None:
+    models = sub.add_parser("models", help="install, list and carve models")
+    models_sub = models.add_subparsers(dest="models_command", required=True)
+    install = models_sub.add_parser("install", help="fetch, join and verify models")
+    install.add_argument("names", nargs="+", metavar="NAME",
+                         help="model alias or group (see `specmoe models list`)")
+    models_sub.add_parser("list", help="models, their roles and whether they are installed")
+    add_carve_parser(models_sub)
+
+
+def add_carve_parser(models_sub) -> None:
+    carve = models_sub.add_parser(
+        "carve", help="turn a dense Llama/Qwen2 model into a Qwen2-MoE checkpoint",
+        description="Groups each FFN's neurons into experts on calibration text, fits a "
+                    "router and trains every MoE layer to reproduce the dense FFN on the "
+                    "carved model's own inputs (resumable: rerun the same command).")
+    carve.add_argument("source", metavar="SRC", help="alias, HF directory or GGUF file")
+    carve.add_argument("--num-experts", type=int, required=True, help="routed experts N")
+    carve.add_argument("--top-k", type=int, required=True, help="routed experts per token")
+    carve.add_argument("--shared-experts", type=int, default=0,
+                       help="always-on experts of the same width (default 0)")
+    carve.add_argument("--out", required=True, help="output directory")
+    carve.add_argument("--layers", type=int, nargs="+", default=None,
+                       help="carve only these layers (default all; the rest stay dense)")
+    carve.add_argument("--calibration-windows", type=int, default=64)
+    carve.add_argument("--window", type=int, default=256, help="tokens per window")
+    carve.add_argument("--train-steps", type=int, default=200,
+                       help="Adam steps per layer (0: training-free carve)")
+    carve.add_argument("--train-batch", type=int, default=512, help="tokens per step")
+    carve.add_argument("--seed", type=int, default=0)
+    carve.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    carve.add_argument("--corpus-dir", default=None,
+                       help="calibration .txt files (default: the repository's data/corpus)")
+    carve.add_argument("--no-progress", action="store_true")
+
+
+def cmd_models(args) -> int:
+    from specmoe.loader import model_store
+    from specmoe.loader.aliases import list_all_models
+    if args.models_command == "list":
+        print(format_model_rows(list_all_models()))
+        for group, aliases in model_store.GROUPS.items():
+            print(f"group {group}: {' + '.join(aliases)}")
+        return 0
+    if args.models_command == "carve":
+        return cmd_carve(args)
+    try:
+        model_store.install(args.names, progress=True)
+    except model_store.ModelInstallError as exc:
+        print(f"specmoe: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_carve(args) -> int:
+    from specmoe.carve.carve import CarveSettings, carve
+    from specmoe.carve.train import TrainSettings
+    settings = CarveSettings(
+        num_experts=args.num_experts, top_k=args.top_k, shared_experts=args.shared_experts,
+        layers=None if args.layers is None else tuple(sorted(set(args.layers))),
+        calibration_windows=args.calibration_windows, window=args.window, seed=args.seed,
+        train=TrainSettings(steps=args.train_steps, batch=args.train_batch), dtype=args.dtype)
+    reports = carve(args.source, args.out, settings, args.corpus_dir,
+                    progress=not args.no_progress)
+    for r in reports:
+        print(f"layer {r.layer:3d}: relative error {r.error_before:.4f} -> {r.error_after:.4f}"
+              f" ({r.seconds:.1f} s)")
+    print(args.out)
+    return 0
+
+
+def format_model_rows(rows) -> str:
+    lines = [f"{'alias':<20} {'role':<7} {'size':>10} {'installed':<9} path"]
+    for r in rows:
+        lines.append(f"{r.alias:<20} {r.role:<7} {r.size_bytes / 1e6:>7.1f} MB "
+                     f"{'yes' if r.is_installed else 'no':<9} {r.path}")
+    return "\n".join(lines)
