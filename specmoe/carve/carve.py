@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from specmoe.carve import calibration, dense
+from specmoe.carve import calibration, dense, evaluate
 from specmoe.carve.cluster import group_neurons, neuron_energy
 from specmoe.carve.moe_layer import CarvedMoE, expert_energy, fit_router
 from specmoe.carve.train import TrainSettings, relative_error, train_layer
@@ -84,11 +86,15 @@ class LayerReport:
 
 
 def carve(source: str, out_dir: str | Path, settings: CarveSettings,
-          corpus_dir: str | Path | None = None, progress: bool = True) -> list[LayerReport]:
-    """Carve `source` (alias, HF directory or GGUF file) into an HF directory `out_dir`.
+          corpus_dir: str | Path | None = None, progress: bool = True,
+          eval_windows_per_file: int = 0) -> list[LayerReport]:
+    """Carve `source` (alias, HF directory or GGUF file) into an HF directory `out_dir`,
+    then (eval_windows_per_file > 0) measure held-out perplexity per corpus file, dense
+    against carved (`evaluate.quality`, float32, on that many windows of each file's
+    held-out part).
 
     Returns:
-        One report per carved layer (also in `out_dir/carve.json`).
+        One report per carved layer (also in `out_dir/carve.json`, with the quality).
     Raises:
         ValueError: an architecture or shape that cannot be carved, a layer index out of
             range, or `out_dir` holding a carve with other settings.
@@ -118,16 +124,44 @@ def carve(source: str, out_dir: str | Path, settings: CarveSettings,
                 layer, report = _carve_layer(ckpt, index, w, x, settings, gen, state, bar)
                 carved[index] = layer
                 reports.append(report)
+                bar.note(f"layer {index}: relative error {report.error_before:.4f} -> "
+                         f"{report.error_after:.4f} ({report.seconds:.1f} s)")
                 ffn = layer(x)
             else:
                 ffn = dense.dense_ffn(w, x)
             h = h + ffn.view(h.shape)
             bar.advance(task, 1)
     write_checkpoint(ckpt, carved, settings, out, tok)
-    (out / "carve.json").write_text(json.dumps({
-        "source": source, "settings": settings.to_json(),
-        "layers": [dataclasses.asdict(r) for r in reports]}, indent=1) + "\n")
+    summary = {"source": source, "settings": settings.to_json(),
+               "layers": [dataclasses.asdict(r) for r in reports]}
+    if eval_windows_per_file:
+        summary["quality"] = held_out_quality(ckpt, carved, tok, corpus.held_out,
+                                              eval_windows_per_file, settings.window)
+        bar.note(json.dumps(summary["quality"]["all"]))
+    (out / "carve.json").write_text(json.dumps(summary, indent=1) + "\n")
     return reports
+
+
+def held_out_quality(ckpt, carved: dict, tok, held_out: dict[str, str], per_file: int,
+                     window: int) -> dict[str, dict]:
+    """Per corpus file and over all ("all"): dense and carved perplexity, argmax agreement
+    and tokens, on `per_file` held-out windows of each file."""
+    out = {}
+    for name, ids in calibration.per_file_windows(tok, held_out, per_file, window).items():
+        d, c = evaluate.quality(ckpt, ids, carved)
+        out[name] = {"dense_perplexity": d.perplexity, "carved_perplexity": c.perplexity,
+                     "argmax_agreement": c.argmax_agreement, "tokens": c.tokens}
+    tokens = sum(q["tokens"] for q in out.values())
+
+    def pooled(key: str) -> float:  # exp of the token-weighted mean NLL
+        return math.exp(sum(math.log(q[key]) * q["tokens"] for q in out.values()) / tokens)
+
+    out["all"] = {"dense_perplexity": pooled("dense_perplexity"),
+                  "carved_perplexity": pooled("carved_perplexity"),
+                  "argmax_agreement": sum(q["argmax_agreement"] * q["tokens"]
+                                          for q in out.values()) / tokens,
+                  "tokens": tokens}
+    return out
 
 
 def _carved_layers(settings: CarveSettings, ckpt: dense.DenseCheckpoint) -> set[int]:
@@ -219,6 +253,13 @@ class _Progress:
     def advance(self, task, amount: int) -> None:
         if self._bar is not None:
             self._bar.advance(task, amount)
+
+    def note(self, text: str) -> None:
+        """A line above the bars, or on stderr without them (logs of long carves)."""
+        if self._bar is not None:
+            self._bar.console.print(text)
+        else:
+            print(text, file=sys.stderr, flush=True)
 
     def remove(self, task) -> None:
         if self._bar is not None:

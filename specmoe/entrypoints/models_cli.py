@@ -38,6 +38,9 @@ def add_carve_parser(models_sub) -> None:
     carve.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     carve.add_argument("--corpus-dir", default=None,
                        help="calibration .txt files (default: the repository's data/corpus)")
+    carve.add_argument("--eval-windows", type=int, default=4,
+                       help="held-out windows per corpus file for the perplexity report "
+                            "in OUT/carve.json (0: none)")
     carve.add_argument("--no-progress", action="store_true")
 
 
@@ -67,11 +70,8 @@ def cmd_carve(args) -> int:
         layers=None if args.layers is None else tuple(sorted(set(args.layers))),
         calibration_windows=args.calibration_windows, window=args.window, seed=args.seed,
         train=TrainSettings(steps=args.train_steps, batch=args.train_batch), dtype=args.dtype)
-    reports = carve(args.source, args.out, settings, args.corpus_dir,
-                    progress=not args.no_progress)
-    for r in reports:
-        print(f"layer {r.layer:3d}: relative error {r.error_before:.4f} -> {r.error_after:.4f}"
-              f" ({r.seconds:.1f} s)")
+    carve(args.source, args.out, settings, args.corpus_dir, progress=not args.no_progress,
+          eval_windows_per_file=args.eval_windows)
     print(args.out)
     return 0
 

@@ -177,3 +177,23 @@ def test_greedy_speculation_on_a_carved_model_is_lossless(trained, tmp_path):
         spec_llm = LLM(str(carve_bf16), dtype="bfloat16", speculative=spec)
         assert [o.token_ids for o in spec_llm.generate(prompts, params)] == plain
         assert spec_llm.generate(prompts[0], params)[0].token_ids == plain[0]
+
+
+def test_cli_carves_and_reports_held_out_quality(tmp_path, capsys):
+    import json
+    from specmoe.entrypoints.cli import main
+    out = tmp_path / "cli"
+    rc = main(["models", "carve", DRAFT, "--num-experts", "6", "--top-k", "2",
+               "--shared-experts", "2", "--out", str(out), "--calibration-windows", "6",
+               "--window", "64", "--train-steps", "5", "--eval-windows", "1",
+               "--no-progress", "--dtype", "float32"])
+    assert rc == 0 and capsys.readouterr().out.strip() == str(out)
+    report = json.loads((out / "carve.json").read_text())
+    assert report["settings"]["num_experts"] == 6 and len(report["layers"]) == 2
+    quality = report["quality"]
+    assert {"all", "arxiv", "wikipedia"} <= set(quality)
+    assert quality["all"]["tokens"] == sum(q["tokens"] for k, q in quality.items()
+                                           if k != "all")
+    for q in quality.values():
+        assert q["dense_perplexity"] > 1 and q["carved_perplexity"] > 1
+        assert 0 <= q["argmax_agreement"] <= 1
