@@ -2,8 +2,9 @@
 
 The shared object is built with `gcc -O3 -march=native -fopenmp -shared -fPIC` into
 `$SPECMOE_KERNEL_DIR` (default `~/.cache/specmoe/kernels`) under a name hashed from the
-source, the flags, the compiler version, this CPU's feature flags and the torch version, so
-an edit, another compiler or another machine sharing the folder gets its own build. It is
+source, every header of this folder (whichever the source includes), the flags, the compiler
+version, this CPU's feature flags and the torch version, so an edit (of a shared header too),
+another compiler or another machine sharing the folder gets its own build. It is
 written to a temporary name and renamed, so concurrent processes never load a half-written
 file.
 

@@ -52,6 +52,8 @@
  * decode sizes an expert has one or two rows and the weight bytes are the whole cost.
  * SiLU-and-mul stays a separate pass over the sorted rows (gate and up rows of a row are in
  * different panels, often on different threads); it costs little next to the weights.
+ * The sort, the split of units between threads, SiLU-and-mul of a row and the final sum
+ * are moe_common.h's, shared with moe_int4.c.
  *
  * Built by specmoe/kernels/build.py (gcc -O3 -march=native -std=c11 -fopenmp; ISO C mode
  * keeps a * b + c from contracting into an FMA).
@@ -72,46 +74,32 @@
                                             one thread, as in gemv_bf16.c */
 #define MEM_ROWS 8 /* a panel read from memory costs about as much as multiplying this many
                       rows into it (the linear kernel's time is nearly flat up to ~8 rows) */
-#define SCRATCH_ALIGN 64
+
+#include "moe_common.h"
 
 /* 2: vdpbf16ps, 1: shift + FMA (as specmoe_gemv_isa). */
 int specmoe_moe_isa(void) { return SPECMOE_ISA; }
 
 /* The scratch buffers, carved from one block of specmoe_moe_scratch_bytes bytes. */
 typedef struct {
-    int32_t *offsets;   /* [N + 1]: expert e's rows are [offsets[e], offsets[e + 1]) */
-    int32_t *cursor;    /* [N]: next free row of each expert while sorting */
-    int32_t *active;    /* [N]: the experts with rows, ascending */
-    int32_t *row_token; /* [T k]: the token of each sorted row */
-    int32_t *pos;       /* [T k]: the sorted row of pair t * k + s */
+    SortedRows sorted;  /* the (token, slot) pairs sorted by expert (moe_common.h) */
     uint16_t *xs;       /* [T k, H]: x of each sorted row */
     uint16_t *gate_up;  /* [T k, 2I] */
     uint16_t *act;      /* [T k, I] */
     uint16_t *ys;       /* [T k, H]: down projections */
 } Scratch;
 
-static int64_t aligned(int64_t bytes) {
-    return (bytes + SCRATCH_ALIGN - 1) / SCRATCH_ALIGN * SCRATCH_ALIGN;
-}
-
-/* Places the buffers from base (which may be NULL: sizes only); returns the bytes used. */
+/* Places the buffers from base (which may be NULL: sizes only); returns the bytes needed. */
 static int64_t carve(char *base, int64_t T, int64_t k, int64_t H, int64_t I, int64_t N,
                      Scratch *s) {
     const int64_t rows = T * k;
     int64_t at = 0;
-#define TAKE(field, type, count) \
-    s->field = (type *)(base ? base + at : NULL); at += aligned((int64_t)sizeof(type) * (count))
-    TAKE(offsets, int32_t, N + 1);
-    TAKE(cursor, int32_t, N);
-    TAKE(active, int32_t, N);
-    TAKE(row_token, int32_t, rows);
-    TAKE(pos, int32_t, rows);
-    TAKE(xs, uint16_t, rows * H);
-    TAKE(gate_up, uint16_t, rows * 2 * I);
-    TAKE(act, uint16_t, rows * I);
-    TAKE(ys, uint16_t, rows * H);
-#undef TAKE
-    return at + SCRATCH_ALIGN; /* room to align the base */
+    take_sorted_rows(base, &at, rows, N, &s->sorted);
+    s->xs = take(base, &at, (int64_t)sizeof(uint16_t) * rows * H);
+    s->gate_up = take(base, &at, (int64_t)sizeof(uint16_t) * rows * 2 * I);
+    s->act = take(base, &at, (int64_t)sizeof(uint16_t) * rows * I);
+    s->ys = take(base, &at, (int64_t)sizeof(uint16_t) * rows * H);
+    return scratch_total(at);
 }
 
 /* Bytes of scratch a call with these sizes needs. */
@@ -120,58 +108,17 @@ int64_t specmoe_moe_scratch_bytes(int64_t T, int64_t k, int64_t H, int64_t I, in
     return carve(NULL, T, k, H, I, N, &s);
 }
 
-/* The bf16 value nearest v, as fp32 (elementwise_bf16.c's round_bf16). */
-static inline __m512 round_bf16(__m512 v) {
-    return _mm512_castsi512_ps(_mm512_and_si512(bf16_round_bits(v),
-                                                _mm512_set1_epi32((int)0xFFFF0000u)));
-}
-
-/* One row of SiLU-and-mul: gate_up [2I] -> out [I], exactly as specmoe_silu_and_mul_bf16. */
-static inline void silu_and_mul_row(const uint16_t *g, uint16_t *out, int64_t I) {
-    const uint16_t *u = g + I;
-    for (int64_t i = 0; i < I; i += 16) {
-        __m512 x = load_bf16x16(g + i);
-        __m512 silu = _mm512_div_ps(
-            x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-        store_bf16x16(out + i, _mm512_mul_ps(round_bf16(silu), load_bf16x16(u + i)));
-    }
-}
-
-/* Rows of active expert a (a unit's cost is max(MEM_ROWS, rows) per panel). */
-static inline int64_t expert_rows(const Scratch *s, int64_t a) {
-    const int32_t e = s->active[a];
-    return s->offsets[e + 1] - s->offsets[e];
-}
-
-static inline int64_t unit_cost(const Scratch *s, int64_t a) {
-    const int64_t c = expert_rows(s, a);
-    return c > MEM_ROWS ? c : MEM_ROWS;
-}
-
-/* The unit boundary (unit u = a * P + p: active expert a, panel p) nearest cumulative cost
- * w; num_active * P past the end. */
-static int64_t unit_near(const Scratch *s, int64_t num_active, int64_t P, int64_t w) {
-    int64_t cum = 0;
-    for (int64_t a = 0; a < num_active; a++) {
-        const int64_t c = unit_cost(s, a);
-        if (w < cum + c * P) return a * P + (w - cum + c / 2) / c;
-        cum += c * P;
-    }
-    return num_active * P;
-}
-
-/* Thread i of nt's share of one projection step: units [u0, u1) of
- * out_rows = in_rows @ W_e^T for every active expert e, W_e [Nout, K] packed at
- * w + e * P * ceil(K / 2) * 128 (P = ceil(Nout / 64) panels). */
-static void projection_share(const Scratch *s, int64_t num_active, const uint16_t *in,
+/* Thread i of nt's share of one projection step: units (u = a * P + p: active expert a,
+ * panel p) [u0, u1) of out_rows = in_rows @ W_e^T for every active expert e, W_e [Nout, K]
+ * packed at w + e * P * ceil(K / 2) * 128 (P = ceil(Nout / 64) panels). */
+static void projection_share(const SortedRows *s, int64_t num_active, const uint16_t *in,
                              const uint16_t *w, uint16_t *out, int64_t K, int64_t Nout,
                              int64_t i, int64_t nt) {
     const int64_t P = (Nout + PANEL - 1) / PANEL;
     const int64_t expert_elems = P * ((K + 1) / 2) * (2 * PANEL);
-    int64_t total = 0;
-    for (int64_t a = 0; a < num_active; a++) total += unit_cost(s, a) * P;
-    const int64_t u1 = unit_near(s, num_active, P, total * (i + 1) / nt);
-    for (int64_t u = unit_near(s, num_active, P, total * i / nt); u < u1;) {
+    int64_t u, u1;
+    thread_units(s, num_active, P, i, nt, &u, &u1);
+    while (u < u1) {
         const int64_t a = u / P, p0 = u % P;
         const int64_t p1 = P < p0 + (u1 - u) ? P : p0 + (u1 - u);
         const int32_t e = s->active[a];
@@ -180,27 +127,6 @@ static void projection_share(const Scratch *s, int64_t num_active, const uint16_
             panels(in + (r0 + t0) * K, w + e * expert_elems, NULL, out + (r0 + t0) * Nout,
                    rows - t0 < T_BLOCK ? rows - t0 : T_BLOCK, K, Nout, p0, p1);
         u += p1 - p0;
-    }
-}
-
-/* out[t] = its k slots' down outputs weighted and summed in slot order in fp32, rounded
- * once (16 lanes at a time, the last ones masked). */
-static void combine_token(const Scratch *s, const void *topk_weights, int weights_bf16,
-                          uint16_t *out, int64_t t, int64_t k, int64_t H) {
-    for (int64_t h = 0; h < H; h += 16) {
-        const __mmask16 m = H - h >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (H - h)) - 1);
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t j = 0; j < k; j++) {
-            const float wt = weights_bf16 ? bf16_to_f32(((const uint16_t *)topk_weights)[t * k + j])
-                                          : ((const float *)topk_weights)[t * k + j];
-            const uint16_t *y = s->ys + (int64_t)s->pos[t * k + j] * H + h;
-            const __m512 yv = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, y)), 16));
-            acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(wt), yv));
-        }
-        const __m512i rounded = bf16_round_bits(acc);
-        _mm256_mask_storeu_epi16(out + t * H + h, m,
-                                 _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
     }
 }
 
@@ -216,40 +142,20 @@ int specmoe_moe_bf16(const uint16_t *x, const int64_t *topk_ids, const void *top
                      int num_threads) {
     if (T < 1 || k < 1 || H < 1 || N < 1 || I < 16 || I % 16 || T > INT32_MAX / k) return -1;
     const int64_t rows = T * k;
-    for (int64_t r = 0; r < rows; r++)
-        if (topk_ids[r] < 0 || topk_ids[r] >= N) return -2;
+    if (!ids_in_range(topk_ids, rows, N)) return -2;
 
     Scratch s;
-    const uintptr_t mask = SCRATCH_ALIGN - 1;
-    char *base = (char *)(((uintptr_t)scratch + mask) & ~mask);
-    carve(base, T, k, H, I, N, &s);
-
-    /* step 0: counting sort by expert (stable) */
-    memset(s.offsets, 0, sizeof(int32_t) * (N + 1));
-    for (int64_t r = 0; r < rows; r++) s.offsets[topk_ids[r] + 1]++;
-    int64_t num_active = 0;
-    for (int64_t e = 0; e < N; e++) {
-        if (s.offsets[e + 1]) s.active[num_active++] = (int32_t)e;
-        s.offsets[e + 1] += s.offsets[e];
-        s.cursor[e] = s.offsets[e];
-    }
-    for (int64_t r = 0; r < rows; r++) {
-        const int32_t row = s.cursor[topk_ids[r]]++;
-        s.row_token[row] = (int32_t)(r / k);
-        s.pos[r] = row;
-    }
+    carve(scratch_base(scratch), T, k, H, I, N, &s);
+    const int64_t num_active = sort_by_expert(topk_ids, rows, k, N, &s.sorted); /* step 0 */
 
     /* threads: by the weight bytes read times 16-row groups, as the linear kernel */
     const int64_t expert_bytes = (((2 * I + PANEL - 1) / PANEL) * ((H + 1) / 2)
                                   + ((H + PANEL - 1) / PANEL) * ((I + 1) / 2)) * (4 * PANEL);
     int64_t work = 0;
     for (int64_t a = 0; a < num_active; a++)
-        work += expert_bytes * ((expert_rows(&s, a) + 15) / 16);
-    const int64_t units = num_active * ((2 * I + PANEL - 1) / PANEL);
-    int64_t nt = work / MIN_BYTES_PER_THREAD;
-    if (nt > num_threads) nt = num_threads;
-    if (nt > units) nt = units;
-    if (nt < 1) nt = 1;
+        work += expert_bytes * ((expert_rows(&s.sorted, a) + 15) / 16);
+    const int64_t nt = thread_count(work, MIN_BYTES_PER_THREAD, num_threads,
+                                    num_active * ((2 * I + PANEL - 1) / PANEL));
 
     int used = 1;
 #pragma omp parallel num_threads((int)nt)
@@ -259,16 +165,17 @@ int specmoe_moe_bf16(const uint16_t *x, const int64_t *topk_ids, const void *top
         used = (int)n;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++)
-            memcpy(s.xs + r * H, x + (int64_t)s.row_token[r] * H, sizeof(uint16_t) * H);
-        projection_share(&s, num_active, s.xs, w13, s.gate_up, H, 2 * I, i, n);
+            memcpy(s.xs + r * H, x + (int64_t)s.sorted.row_token[r] * H, sizeof(uint16_t) * H);
+        projection_share(&s.sorted, num_active, s.xs, w13, s.gate_up, H, 2 * I, i, n);
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++)
             silu_and_mul_row(s.gate_up + r * 2 * I, s.act + r * I, I);
-        projection_share(&s, num_active, s.act, w2, s.ys, I, H, i, n);
+        projection_share(&s.sorted, num_active, s.act, w2, s.ys, I, H, i, n);
 #pragma omp barrier
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++) combine_token(&s, topk_weights, weights_bf16, out, t, k, H);
+        for (int64_t t = 0; t < T; t++)
+            combine_token(&s.sorted, s.ys, topk_weights, weights_bf16, 1, out, t, k, H);
     }
     return used;
 }

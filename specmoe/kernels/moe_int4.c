@@ -57,7 +57,9 @@
  *
  * Design sources: moe_bf16.c (the sort, the gather, the split of weight rows across
  * experts and threads; vLLM's fused_moe, SGLang's CPU fused_experts and llama.cpp's
- * mul_mat_id behind it), with each per-expert matmul the int4 kernel of gemv_int4.c.
+ * mul_mat_id behind it), with each per-expert matmul the int4 kernel of gemv_int4.c. The
+ * two share moe_common.h: the sort, the split of units between threads, SiLU-and-mul of a
+ * row and the final sum (each kernel keeping its own order there).
  *
  * Built by specmoe/kernels/build.py (gcc -O3 -march=native -std=c11 -fopenmp; ISO C mode
  * keeps a * b + c from contracting into an FMA).
@@ -81,7 +83,8 @@
                         this many rows of x into it (an estimate: only the balance between
                         threads depends on it) */
 #define REUSE_BYTES (32 << 10) /* several tiles: weight rows per block, kept in cache */
-#define SCRATCH_ALIGN 64
+
+#include "moe_common.h"
 
 /* 2: vdpbf16ps, 1: shift + FMA (as specmoe_gemv_int4_isa). */
 int specmoe_moe_int4_isa(void) { return SPECMOE_ISA; }
@@ -94,11 +97,7 @@ typedef struct {
 
 /* The scratch buffers, carved from one block of specmoe_moe_int4_scratch_bytes bytes. */
 typedef struct {
-    int32_t *offsets;    /* [N + 1]: expert e's rows are [offsets[e], offsets[e + 1]) */
-    int32_t *cursor;     /* [N]: next free row of each expert while sorting */
-    int32_t *active;     /* [N]: the experts with rows, ascending */
-    int32_t *row_token;  /* [R]: the token of each sorted row */
-    int32_t *pos;        /* [R]: the sorted row of pair t k + s */
+    SortedRows sorted;   /* the (token, slot) pairs sorted by expert (moe_common.h) */
     int32_t *tile_start; /* [R]: the first sorted row of each row's tile */
     int32_t *tile_rows;  /* [R]: the rows of each row's tile */
     uint16_t *xp_h;      /* [R NB_H 128]: prepared x; the tile at row r0 with n rows holds
@@ -118,32 +117,21 @@ static Sizes sizes_of(int64_t T, int64_t k, int64_t H, int64_t I, int64_t N) {
     return z;
 }
 
-static int64_t aligned(int64_t bytes) {
-    return (bytes + SCRATCH_ALIGN - 1) / SCRATCH_ALIGN * SCRATCH_ALIGN;
-}
-
-/* Places the buffers from base (which may be NULL: sizes only); returns the bytes used. */
+/* Places the buffers from base (which may be NULL: sizes only); returns the bytes needed. */
 static int64_t carve(char *base, const Sizes *z, Scratch *s) {
     const int64_t R = z->R;
     int64_t at = 0;
-#define TAKE(field, type, count) \
-    s->field = (type *)(base ? base + at : NULL); at += aligned((int64_t)sizeof(type) * (count))
-    TAKE(offsets, int32_t, z->N + 1);
-    TAKE(cursor, int32_t, z->N);
-    TAKE(active, int32_t, z->N);
-    TAKE(row_token, int32_t, R);
-    TAKE(pos, int32_t, R);
-    TAKE(tile_start, int32_t, R);
-    TAKE(tile_rows, int32_t, R);
-    TAKE(xp_h, uint16_t, R * z->NB_H * BLOCK_ELEMS);
-    TAKE(xs_h, float, R * z->NS_H);
-    TAKE(gate_up, uint16_t, R * 2 * z->I);
-    TAKE(act, uint16_t, R * z->I);
-    TAKE(xp_i, uint16_t, R * z->NB_I * BLOCK_ELEMS);
-    TAKE(xs_i, float, R * z->NS_I);
-    TAKE(ys, uint16_t, R * z->H);
-#undef TAKE
-    return at + SCRATCH_ALIGN; /* room to align the base */
+    take_sorted_rows(base, &at, R, z->N, &s->sorted);
+    s->tile_start = take(base, &at, (int64_t)sizeof(int32_t) * R);
+    s->tile_rows = take(base, &at, (int64_t)sizeof(int32_t) * R);
+    s->xp_h = take(base, &at, (int64_t)sizeof(uint16_t) * R * z->NB_H * BLOCK_ELEMS);
+    s->xs_h = take(base, &at, (int64_t)sizeof(float) * R * z->NS_H);
+    s->gate_up = take(base, &at, (int64_t)sizeof(uint16_t) * R * 2 * z->I);
+    s->act = take(base, &at, (int64_t)sizeof(uint16_t) * R * z->I);
+    s->xp_i = take(base, &at, (int64_t)sizeof(uint16_t) * R * z->NB_I * BLOCK_ELEMS);
+    s->xs_i = take(base, &at, (int64_t)sizeof(float) * R * z->NS_I);
+    s->ys = take(base, &at, (int64_t)sizeof(uint16_t) * R * z->H);
+    return scratch_total(at);
 }
 
 /* Bytes of scratch a call with these sizes needs (H and I multiples of 32). */
@@ -151,23 +139,6 @@ int64_t specmoe_moe_int4_scratch_bytes(int64_t T, int64_t k, int64_t H, int64_t 
     const Sizes z = sizes_of(T, k, H, I, N);
     Scratch s;
     return carve(NULL, &z, &s);
-}
-
-/* The bf16 value nearest v, as fp32 (elementwise_bf16.c's round_bf16). */
-static inline __m512 round_bf16(__m512 v) {
-    return _mm512_castsi512_ps(_mm512_and_si512(bf16_round_bits(v),
-                                                _mm512_set1_epi32((int)0xFFFF0000u)));
-}
-
-/* One row of SiLU-and-mul: gate_up [2I] -> out [I], exactly as specmoe_silu_and_mul_bf16. */
-static inline void silu_and_mul_row(const uint16_t *g, uint16_t *out, int64_t I) {
-    const uint16_t *u = g + I;
-    for (int64_t i = 0; i < I; i += 16) {
-        __m512 x = load_bf16x16(g + i);
-        __m512 silu = _mm512_div_ps(
-            x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-        store_bf16x16(out + i, _mm512_mul_ps(round_bf16(silu), load_bf16x16(u + i)));
-    }
 }
 
 /* Sorted row r's input (K elements at element offset `from` of src) prepared into its
@@ -178,28 +149,6 @@ static inline void prepare_sorted_row(const Scratch *s, int64_t r, const uint16_
     const int64_t r0 = s->tile_start[r], n = s->tile_rows[r], j = r - r0;
     prepare_row(src, 1, from, K, NB, NS, xp + r0 * NB * BLOCK_ELEMS + j * BLOCK_ELEMS,
                 n * BLOCK_ELEMS, xs + r0 * NS + j * 16, n * 16);
-}
-
-static inline int64_t expert_rows(const Scratch *s, int64_t a) {
-    const int32_t e = s->active[a];
-    return s->offsets[e + 1] - s->offsets[e];
-}
-
-static inline int64_t unit_cost(const Scratch *s, int64_t a) {
-    const int64_t c = expert_rows(s, a);
-    return c > MEM_ROWS ? c : MEM_ROWS;
-}
-
-/* The unit boundary (unit u = a * P + p: active expert a, output rows [16 p, 16 p + 16))
- * nearest cumulative cost w; num_active * P past the end. */
-static int64_t unit_near(const Scratch *s, int64_t num_active, int64_t P, int64_t w) {
-    int64_t cum = 0;
-    for (int64_t a = 0; a < num_active; a++) {
-        const int64_t c = unit_cost(s, a);
-        if (w < cum + c * P) return a * P + (w - cum + c / 2) / c;
-        cum += c * P;
-    }
-    return num_active * P;
 }
 
 /* One projection of the tile of sorted rows starting at r0 as an int4 kernel call sees it:
@@ -221,7 +170,7 @@ static inline struct call tile_call(const Scratch *s, const struct specmoe_int4_
 static void expert_share(const Scratch *s, const struct specmoe_int4_weights *W, int64_t e,
                          const uint16_t *xp, const float *xs, int64_t NB, int64_t NS,
                          uint16_t *y, int64_t K, int64_t Nout, int64_t n0, int64_t n1) {
-    const int64_t r_begin = s->offsets[e], r_end = s->offsets[e + 1];
+    const int64_t r_begin = s->sorted.offsets[e], r_end = s->sorted.offsets[e + 1];
     if (s->tile_rows[r_begin] == r_end - r_begin) {
         const struct call c = tile_call(s, W, e, r_begin, xp, xs, NB, NS, y, K, Nout);
         rows(&c, n0, n1);
@@ -239,63 +188,32 @@ static void expert_share(const Scratch *s, const struct specmoe_int4_weights *W,
     }
 }
 
-/* Thread i of nt's share of one projection step: units [u0, u1) of y = in @ W_e^T for
- * every active expert e. */
+/* Thread i of nt's share of one projection step: units (u = a * P + p: active expert a,
+ * output rows [16 p, 16 p + 16)) [u0, u1) of y = in @ W_e^T for every active expert e. */
 static void projection_share(const Scratch *s, int64_t num_active,
                              const struct specmoe_int4_weights *W, const uint16_t *xp,
                              const float *xs, int64_t NB, int64_t NS, uint16_t *y, int64_t K,
                              int64_t Nout, int64_t i, int64_t nt) {
     const int64_t P = (Nout + UNIT_ROWS - 1) / UNIT_ROWS;
-    int64_t total = 0;
-    for (int64_t a = 0; a < num_active; a++) total += unit_cost(s, a) * P;
-    const int64_t u1 = unit_near(s, num_active, P, total * (i + 1) / nt);
-    for (int64_t u = unit_near(s, num_active, P, total * i / nt); u < u1;) {
+    int64_t u, u1;
+    thread_units(&s->sorted, num_active, P, i, nt, &u, &u1);
+    while (u < u1) {
         const int64_t a = u / P, p0 = u % P;
         const int64_t p1 = P < p0 + (u1 - u) ? P : p0 + (u1 - u);
         const int64_t n1 = p1 * UNIT_ROWS < Nout ? p1 * UNIT_ROWS : Nout;
-        expert_share(s, W, s->active[a], xp, xs, NB, NS, y, K, Nout, p0 * UNIT_ROWS, n1);
+        expert_share(s, W, s->sorted.active[a], xp, xs, NB, NS, y, K, Nout, p0 * UNIT_ROWS,
+                     n1);
         u += p1 - p0;
     }
 }
 
-/* out[t] = its k slots' down outputs weighted and summed in slot order in fp32 (the first
- * product, then each next one added), rounded once; 16 lanes at a time. */
-static void combine_token(const Scratch *s, const void *topk_weights, int weights_bf16,
-                          uint16_t *out, int64_t t, int64_t k, int64_t H) {
-    for (int64_t h = 0; h < H; h += 16) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t j = 0; j < k; j++) {
-            const int64_t at = t * k + j;
-            const float wt = weights_bf16 ? bf16_to_f32(((const uint16_t *)topk_weights)[at])
-                                          : ((const float *)topk_weights)[at];
-            const __m512 p = _mm512_mul_ps(_mm512_set1_ps(wt),
-                                           load_bf16x16(s->ys + (int64_t)s->pos[at] * H + h));
-            acc = j ? _mm512_add_ps(acc, p) : p;
-        }
-        store_bf16x16(out + t * H + h, acc);
-    }
-}
-
-/* The counting sort by expert (stable) and the tiles of each expert's rows; returns the
- * number of active experts. */
+/* Step 0: the counting sort by expert (moe_common.h) and the tiles of each expert's rows;
+ * returns the number of active experts. */
 static int64_t sort_rows(const int64_t *topk_ids, const Sizes *z, Scratch *s) {
-    const int64_t R = z->R, k = z->k, N = z->N;
-    memset(s->offsets, 0, sizeof(int32_t) * (N + 1));
-    for (int64_t r = 0; r < R; r++) s->offsets[topk_ids[r] + 1]++;
-    int64_t num_active = 0;
-    for (int64_t e = 0; e < N; e++) {
-        if (s->offsets[e + 1]) s->active[num_active++] = (int32_t)e;
-        s->offsets[e + 1] += s->offsets[e];
-        s->cursor[e] = s->offsets[e];
-    }
-    for (int64_t r = 0; r < R; r++) {
-        const int32_t row = s->cursor[topk_ids[r]]++;
-        s->row_token[row] = (int32_t)(r / k);
-        s->pos[r] = row;
-    }
+    const int64_t num_active = sort_by_expert(topk_ids, z->R, z->k, z->N, &s->sorted);
     for (int64_t a = 0; a < num_active; a++) {
-        const int64_t e = s->active[a], o = s->offsets[e], n = s->offsets[e + 1] - o;
-        const int64_t m = (n + MAX_T - 1) / MAX_T;
+        const int64_t e = s->sorted.active[a], o = s->sorted.offsets[e];
+        const int64_t n = s->sorted.offsets[e + 1] - o, m = (n + MAX_T - 1) / MAX_T;
         for (int64_t i = 0, start = 0; i < m; i++) {
             const int64_t end = start + (n - start) / (m - i);
             for (int64_t r = o + start; r < o + end; r++) {
@@ -329,24 +247,20 @@ int specmoe_moe_int4(const uint16_t *x, const int64_t *topk_ids, const void *top
         return -1;
     const Sizes z = sizes_of(T, k, H, I, N);
     const int64_t R = z.R;
-    for (int64_t r = 0; r < R; r++)
-        if (topk_ids[r] < 0 || topk_ids[r] >= N) return -2;
+    if (!ids_in_range(topk_ids, R, N)) return -2;
 
     Scratch s;
-    const uintptr_t mask = SCRATCH_ALIGN - 1;
-    carve((char *)(((uintptr_t)scratch + mask) & ~mask), &z, &s);
+    carve(scratch_base(scratch), &z, &s);
     const int64_t num_active = sort_rows(topk_ids, &z, &s);
 
     /* threads: by the weight bytes read times 8-row groups, as the int4 linear kernel */
     const int64_t expert_bytes = 2 * I * (H / 2 + H / GROUP * 4) + H * (I / 2 + I / GROUP * 4);
     int64_t work = 0;
     for (int64_t a = 0; a < num_active; a++)
-        work += expert_bytes * ((expert_rows(&s, a) + MAX_GROUP - 1) / MAX_GROUP);
-    const int64_t units = num_active * (((H < 2 * I ? H : 2 * I) + UNIT_ROWS - 1) / UNIT_ROWS);
-    int64_t nt = work / MIN_BYTES_PER_THREAD;
-    if (nt > num_threads) nt = num_threads;
-    if (nt > units) nt = units;
-    if (nt < 1) nt = 1;
+        work += expert_bytes * ((expert_rows(&s.sorted, a) + MAX_GROUP - 1) / MAX_GROUP);
+    const int64_t nt = thread_count(work, MIN_BYTES_PER_THREAD, num_threads,
+                                    num_active * (((H < 2 * I ? H : 2 * I) + UNIT_ROWS - 1)
+                                                  / UNIT_ROWS));
 
     int used = 1;
 #pragma omp parallel num_threads((int)nt)
@@ -356,7 +270,7 @@ int specmoe_moe_int4(const uint16_t *x, const int64_t *topk_ids, const void *top
         used = (int)n;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++)
-            prepare_sorted_row(&s, r, x, (int64_t)s.row_token[r] * H, H, z.NB_H, z.NS_H,
+            prepare_sorted_row(&s, r, x, (int64_t)s.sorted.row_token[r] * H, H, z.NB_H, z.NS_H,
                                s.xp_h, s.xs_h);
         projection_share(&s, num_active, w13, s.xp_h, s.xs_h, z.NB_H, z.NS_H, s.gate_up, H,
                          2 * I, i, n);
@@ -369,7 +283,8 @@ int specmoe_moe_int4(const uint16_t *x, const int64_t *topk_ids, const void *top
         projection_share(&s, num_active, w2, s.xp_i, s.xs_i, z.NB_I, z.NS_I, s.ys, I, H, i, n);
 #pragma omp barrier
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++) combine_token(&s, topk_weights, weights_bf16, out, t, k, H);
+        for (int64_t t = 0; t < T; t++)
+            combine_token(&s.sorted, s.ys, topk_weights, weights_bf16, 0, out, t, k, H);
     }
     return used;
 }
