@@ -1,6 +1,7 @@
 """Random tiny models written to disk for tests that need a real checkpoint but no real
 weights (engine, server and fuzz tests): they load through the normal HuggingFace-directory
-loader in milliseconds."""
+loader in milliseconds. Also random experts, routings and weights and a small Qwen2-MoE
+config for the kernel and fused-driver tests."""
 
 from __future__ import annotations
 
@@ -33,3 +34,48 @@ def random_bf16_experts(n: int, h: int, i: int, seed: int = 0):
         experts.w13.normal_(0, h ** -0.5)
         experts.w2.normal_(0, i ** -0.5)
     return experts.to(torch.bfloat16).requires_grad_(False)
+
+
+def random_routing(t: int, n: int, k: int, gen: torch.Generator, skewed: bool = False,
+                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """A router's output for t tokens over n experts, for the expert kernel tests: k
+    distinct experts per token (as top-k routing gives), positive weights of `dtype`;
+    skewed: most tokens pick experts 0 and 1 (more than 32 rows each from T = 36) and a
+    fixed few more, many experts see none."""
+    scores = torch.rand(t, n, generator=gen)
+    if skewed:
+        scores[:, :2] += 10 * (torch.rand(t, 1, generator=gen) < 0.9)
+        scores[:, 2:min(n, 2 + k)] += 1
+    ids = scores.topk(k, dim=-1).indices                            # [T, k] int64
+    weights = (torch.rand(t, k, generator=gen) + 0.1).to(dtype)    # [T, k]
+    return ids, weights
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0, zero_router: bool = False
+               ) -> torch.nn.Module:
+    """Every parameter of `model` random in place, N(0, 0.1^2) (norm weights 1 + that),
+    from a generator seeded with `seed`; zero_router: the MoE routers' gates zero (every
+    expert tied). Returns the model, in eval mode without gradients."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g) * 0.1
+            p.copy_(1 + noise if name.endswith("norm.weight") else noise)
+            if zero_router and name.endswith("router.gate.weight"):
+                p.zero_()
+    return model.eval().requires_grad_(False)
+
+
+def qwen2_moe_arch(moe_intermediate_size: int, shared_gate: bool = True):
+    """A small Qwen2-MoE-style `ArchConfig` for the fused decoder driver tests: 3 layers, the
+    first and last MoE (16 experts, top 4, a shared expert of 96 with its sigmoid gate if
+    `shared_gate`), the middle one dense; hidden 128, vocabulary 300."""
+    from specmoe.config import ArchConfig, MoEConfig
+    moe = MoEConfig(num_experts=16, top_k=4, moe_intermediate_size=moe_intermediate_size,
+                    norm_topk_prob=True, shared_expert_intermediate_size=96,
+                    has_shared_expert_gate=shared_gate, moe_layers=[0, 2])
+    return ArchConfig(architecture="Qwen2MoeForCausalLM", vocab_size=300, hidden_size=128,
+                      intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+                      rope_theta=10000.0, max_position_embeddings=512, attention_bias=True,
+                      moe=moe)

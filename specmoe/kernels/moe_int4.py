@@ -24,40 +24,27 @@ or dtype, autograd), and the caller runs the per-expert loop.
 from __future__ import annotations
 
 import ctypes
-import threading
 
 import torch
 
-from specmoe.kernels import gemv, gemv_int4
-from specmoe.kernels.build import LazyKernel, load
+from specmoe.kernels import gemv, gemv_int4, moe_common
+from specmoe.kernels.build import LazyKernel
+from specmoe.kernels.moe_common import scratch_buffer
 
-_P, _I, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_W = ctypes.POINTER(gemv_int4._CWeights)
 GROUP_SIZE = gemv_int4.GROUP_SIZE
-
-# Scratch (sorted rows, their prepared x, gate/up, activations, down outputs) is kept per
-# thread and grown as needed; a call needing more than this many bytes runs in chunks of
-# tokens (the same bits: a token's output does not depend on the others).
-SCRATCH_BUDGET = 64 << 20
 
 
 def load_kernel(extra_flags: tuple[str, ...] = ()):
     """Build and load the kernel; returns the ctypes function `specmoe_moe_int4` (see the C
-    source for its arguments) with its library at `.library`.
+    source for its arguments) with its library at `.library` (`moe_common.load_kernel`).
 
     Raises:
         KernelBuildError: no suitable CPU, no compiler, or the build failed.
         OSError: the built library cannot be loaded.
     """
-    lib = load("moe_int4.c", extra_flags, gemv_int4._REQUIRED_CPU_FLAGS)
-    fn = lib.specmoe_moe_int4
-    fn.argtypes = [_P, _P, _P, _T, _W, _W, _P, _P, _I, _I, _I, _I, _I, _T]
-    fn.restype = ctypes.c_int
-    lib.specmoe_moe_int4_scratch_bytes.argtypes = [_I] * 5
-    lib.specmoe_moe_int4_scratch_bytes.restype = ctypes.c_int64
-    lib.specmoe_moe_int4_isa.restype = ctypes.c_int
-    fn.library = lib
-    return fn
+    return moe_common.load_kernel("moe_int4.c", "specmoe_moe_int4", "specmoe_moe_int4",
+                                  ctypes.POINTER(gemv_int4._CWeights),
+                                  gemv_int4._REQUIRED_CPU_FLAGS, extra_flags)
 
 
 _lazy = LazyKernel(load_kernel,
@@ -66,25 +53,15 @@ _lazy = LazyKernel(load_kernel,
 # None when the kernel is built and loaded (building it now if needed), else why not.
 kernel_unavailable_reason = _lazy.unavailable_reason
 
-_scratch = threading.local()
-
-
-def scratch_buffer(num_bytes: int) -> torch.Tensor:
-    """This thread's scratch, at least `num_bytes` long (grown, never shrunk)."""
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.numel() < num_bytes:
-        buf = _scratch.buf = torch.empty(num_bytes, dtype=torch.uint8)
-    return buf
-
 
 def scratch_bytes(t: int, k: int, h: int, i: int, n: int) -> int:
     """Bytes of scratch one call over t tokens needs (the kernel must be loaded)."""
-    return _lazy.get().library.specmoe_moe_int4_scratch_bytes(t, k, h, i, n)
+    return _lazy.get().scratch_bytes(t, k, h, i, n)
 
 
 def scratch_for(t: int, k: int, h: int, i: int, n: int) -> torch.Tensor:
-    """This thread's scratch, large enough for one call over t tokens (the kernel must be
-    loaded)."""
+    """This thread's scratch (`moe_common.scratch_buffer`, the bf16 kernel's too), large
+    enough for one call over t tokens (the kernel must be loaded)."""
     return scratch_buffer(scratch_bytes(t, k, h, i, n))
 
 
@@ -152,24 +129,6 @@ def applies(x: torch.Tensor) -> bool:
     return (_lazy.kernel or _lazy.get()) is not None
 
 
-def _check(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-           experts: Int4Experts) -> None:
-    h = experts.hidden_size
-    if x.dim() != 2 or x.shape[1] != h:
-        raise ValueError(f"x must be [T, {h}], got {tuple(x.shape)}")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_ids.shape[1] < 1:
-        raise ValueError(f"topk_ids must be [{x.shape[0]}, k] with k >= 1, got "
-                         f"{tuple(topk_ids.shape)}")
-    if topk_ids.dtype is not torch.int64 or not topk_ids.is_cpu:
-        raise ValueError(f"topk_ids must be int64 on CPU, got {topk_ids.dtype} on "
-                         f"{topk_ids.device}")
-    if tuple(topk_weights.shape) != tuple(topk_ids.shape) or not topk_weights.is_cpu:
-        raise ValueError(f"topk_weights must be {tuple(topk_ids.shape)} on CPU like topk_ids, "
-                         f"got {tuple(topk_weights.shape)} on {topk_weights.device}")
-    if not topk_weights.is_floating_point():
-        raise ValueError(f"topk_weights must be floating point, got {topk_weights.dtype}")
-
-
 def try_moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  experts: Int4Experts, num_threads: int | None = None
                  ) -> torch.Tensor | None:
@@ -194,7 +153,7 @@ def try_moe_int4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
     """
     if not applies(x):
         return None
-    _check(x, topk_ids, topk_weights, experts)
+    moe_common.check_routing(x, topk_ids, topk_weights, experts.hidden_size)
     out, _ = run_kernel(_lazy.kernel or _lazy.get(), x, topk_ids, topk_weights, experts,
                         num_threads)
     return out
@@ -211,32 +170,7 @@ def run_kernel(kernel, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
         ValueError: an expert id outside [0, N).
     """
     n, h, i = experts.num_experts, experts.hidden_size, experts.intermediate_size
-    t, k = x.shape[0], topk_ids.shape[1]
-    out = torch.empty(t, h, dtype=torch.bfloat16)
-    if t == 0:
-        return out, 0
-    x, topk_ids = x.contiguous(), topk_ids.contiguous()
-    if topk_weights.dtype not in (torch.float32, torch.bfloat16):
-        topk_weights = topk_weights.float()
-    topk_weights = topk_weights.contiguous()
-    weights_bf16 = int(topk_weights.dtype is torch.bfloat16)
-    threads = torch.get_num_threads() if num_threads is None else num_threads
-    lib = kernel.library
-    per_token = lib.specmoe_moe_int4_scratch_bytes(2, k, h, i, n) - \
-        lib.specmoe_moe_int4_scratch_bytes(1, k, h, i, n)
-    chunk = max(1, min(t, SCRATCH_BUDGET // per_token))
-    buf = scratch_buffer(lib.specmoe_moe_int4_scratch_bytes(chunk, k, h, i, n))
-    used = 0
-    for t0 in range(0, t, chunk):
-        t1 = min(t, t0 + chunk)
-        rc = kernel(x[t0].data_ptr(), topk_ids[t0].data_ptr(), topk_weights[t0].data_ptr(),
-                    weights_bf16, experts.w13, experts.w2, out[t0].data_ptr(),
-                    buf.data_ptr(), t1 - t0, k, h, i, n, threads)
-        if rc == -2:
-            bad = topk_ids[(topk_ids < 0) | (topk_ids >= n)]
-            raise ValueError(f"expert ids must be in [0, {n}), got {bad[:8].tolist()}")
-        if rc < 0:  # Int4Experts' and try_moe_int4's checks rule it out
-            raise RuntimeError(f"specmoe_moe_int4 rejected T={t1 - t0}, k={k}, H={h}, I={i}, "
-                               f"N={n}: {rc}")
-        used = max(used, rc)
-    return out, used
+    k = topk_ids.shape[1]
+    token_bytes = kernel.scratch_bytes(2, k, h, i, n) - kernel.scratch_bytes(1, k, h, i, n)
+    return moe_common.run_chunked(kernel, x, topk_ids, topk_weights, experts.w13, experts.w2,
+                                  h, i, n, token_bytes, num_threads)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 
 import pytest
-from kernel_checks import require_kernel
+from kernel_checks import int4_batch_invariant, require_kernel
 import torch
 
 from specmoe import kernels
@@ -161,10 +161,8 @@ def bf16_gemm():
 @pytest.fixture
 def batch_invariant():
     """gemv_int4's batch-invariant mode on for one test."""
-    was = gemv_int4.is_batch_invariant()
-    gemv_int4.set_batch_invariant(True)
-    yield
-    gemv_int4.set_batch_invariant(was)
+    with int4_batch_invariant():
+        yield
 
 
 def _dequantized_path(x, q, sz, b):

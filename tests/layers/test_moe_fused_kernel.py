@@ -9,12 +9,13 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_checks import require_kernel
+from kernel_checks import (check_routing_errors, poison_moe_scratch, require_kernel,
+                           same_bits)
 
 from specmoe.kernels import elementwise, gemv, moe
 from specmoe.layers.linear import prepack_weights
 from specmoe.layers.moe.experts import RoutedExperts
-from tiny_models import random_bf16_experts
+from tiny_models import random_bf16_experts, random_routing
 
 KERNEL_UNAVAILABLE_REASON = moe.kernel_unavailable_reason  # for the `enabled` fixture
 U = 2.0 ** -8  # bf16 unit roundoff (8 significant bits, round to nearest)
@@ -23,19 +24,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 _experts = random_bf16_experts
-
-
-def _routing(t: int, n: int, k: int, gen: torch.Generator, skewed: bool = False,
-             dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """k distinct experts per token (as top-k routing gives), positive weights; skewed:
-    most tokens pick experts 0 and 1 (and a fixed few more), many experts see none."""
-    scores = torch.rand(t, n, generator=gen)
-    if skewed:
-        scores[:, :2] += 10 * (torch.rand(t, 1, generator=gen) < 0.9)
-        scores[:, 2:min(n, 2 + k)] += 1
-    ids = scores.topk(k, dim=-1).indices                            # [T, k] int64
-    weights = (torch.rand(t, k, generator=gen) + 0.1).to(dtype)    # [T, k]
-    return ids, weights
 
 
 def _packed(experts: RoutedExperts) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,24 +50,11 @@ def _composition(x, ids, weights, w13p, w2p, intermediate, linear_kernel=None):
     return acc.bfloat16()
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
-
-
 @pytest.fixture
 def natives(enabled):
     """The fused kernel, and the linear and elementwise kernels of the composition."""
     require_kernel("bf16 linear kernel", gemv.kernel_unavailable_reason())
     require_kernel("elementwise kernels", elementwise._lazy.unavailable_reason())
-
-
-def _poison_scratch() -> None:
-    """NaN bytes in this thread's kernel scratch, so that a row or panel some call leaves
-    unwritten shows in its output instead of a previous call's values."""
-    buf = getattr(moe._scratch, "buf", None)
-    if buf is not None:
-        with torch.inference_mode():  # an earlier model forward may have made it there
-            buf.fill_(0xFF)
 
 
 def _fused(experts: RoutedExperts, x, ids, weights, num_threads=None) -> torch.Tensor:
@@ -103,10 +78,10 @@ def test_bit_exact_with_the_composition_of_native_kernels(natives, n, h, i, k, s
     for t in (1, 2, 5, 9, 17, 80, 320):
         x = torch.randn(t, h, generator=gen).bfloat16()
         dtype = torch.bfloat16 if t % 2 else torch.float32  # the router's bf16, or fp32
-        ids, weights = _routing(t, n, k, gen, skewed, dtype)
+        ids, weights = random_routing(t, n, k, gen, skewed, dtype)
         out = _fused(experts, x, ids, weights)
         assert out.shape == (t, h) and out.dtype == torch.bfloat16
-        assert _same_bits(out, _composition(x, ids, weights, w13p, w2p, i)), f"T={t}"
+        assert same_bits(out, _composition(x, ids, weights, w13p, w2p, i)), f"T={t}"
 
 
 def test_one_expert_with_more_rows_than_a_row_block(natives):
@@ -119,7 +94,7 @@ def test_one_expert_with_more_rows_than_a_row_block(natives):
     for ids in (torch.full((320, 1), 3), torch.tensor([[2, 2, 0]] * 320)):
         weights = torch.rand(*ids.shape, generator=gen)
         out = _fused(experts, x, ids, weights)
-        assert _same_bits(out, _composition(x, ids, weights, w13p, w2p, 32))
+        assert same_bits(out, _composition(x, ids, weights, w13p, w2p, 32))
 
 
 def _error_bound(experts_f32: RoutedExperts, x, ids, weights) -> torch.Tensor:
@@ -150,7 +125,7 @@ def test_within_bf16_rounding_of_the_fp32_reference(natives, n, h, i, k):
     gen = torch.Generator().manual_seed(4)
     for t, skewed in [(1, False), (9, True), (80, False), (320, True)]:
         x = torch.randn(t, h, generator=gen).bfloat16()
-        ids, weights = _routing(t, n, k, gen, skewed)
+        ids, weights = random_routing(t, n, k, gen, skewed)
         out = _fused(experts, x, ids, weights)
         with torch.no_grad():
             ref = experts_f32.forward_reference(x.float(), ids, weights)
@@ -166,15 +141,15 @@ def test_batch_invariance(natives):
     experts = _experts(n, h, i, seed=5)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(80, h, generator=gen).bfloat16()
-    ids, weights = _routing(80, n, k, gen, skewed=True, dtype=torch.bfloat16)
+    ids, weights = random_routing(80, n, k, gen, skewed=True, dtype=torch.bfloat16)
     alone = torch.cat([_fused(experts, x[j:j + 1], ids[j:j + 1], weights[j:j + 1])
                        for j in range(80)])
     for size in (2, 3, 9, 16, 17, 40, 79, 80):
         for rep in range(2):
             pick = torch.randperm(80, generator=gen)[:size]  # other neighbours, positions
-            _poison_scratch()
+            poison_moe_scratch()
             out = _fused(experts, x[pick], ids[pick], weights[pick])
-            assert _same_bits(out, alone[pick]), f"{size} tokens, draw {rep}"
+            assert same_bits(out, alone[pick]), f"{size} tokens, draw {rep}"
 
 
 def test_thread_count_invariance(natives):
@@ -187,14 +162,14 @@ def test_thread_count_invariance(natives):
     gen = torch.Generator().manual_seed(6)
     for t, skewed in [(1, False), (9, True), (40, False), (100, True)]:
         x = torch.randn(t, h, generator=gen).bfloat16()
-        ids, weights = _routing(t, n, k, gen, skewed)
-        _poison_scratch()
+        ids, weights = random_routing(t, n, k, gen, skewed)
+        poison_moe_scratch()
         one, used_one = moe.run_kernel(kernel, x, ids, weights, w13p, w2p, i, num_threads=1)
-        _poison_scratch()
+        poison_moe_scratch()
         two, used_two = moe.run_kernel(kernel, x, ids, weights, w13p, w2p, i, num_threads=2)
         assert used_one == 1 and used_two == 2, (t, used_two)
-        assert _same_bits(one, two), f"T={t}"
-        assert _same_bits(one, _composition(x, ids, weights, w13p, w2p, i))
+        assert same_bits(one, two), f"T={t}"
+        assert same_bits(one, _composition(x, ids, weights, w13p, w2p, i))
 
 
 def test_fma_variant_bit_exact_with_its_composition(natives, fma_variant):
@@ -206,9 +181,9 @@ def test_fma_variant_bit_exact_with_its_composition(natives, fma_variant):
     gen = torch.Generator().manual_seed(7)
     for t in (1, 9, 40):
         x = torch.randn(t, 64, generator=gen).bfloat16()
-        ids, weights = _routing(t, 16, 4, gen)
+        ids, weights = random_routing(t, 16, 4, gen)
         out, _ = moe.run_kernel(kernel, x, ids, weights, w13p, w2p, 32)
-        assert _same_bits(out, _composition(x, ids, weights, w13p, w2p, 32, linear_kernel))
+        assert same_bits(out, _composition(x, ids, weights, w13p, w2p, 32, linear_kernel))
 
 
 def test_no_tokens(natives):
@@ -224,20 +199,8 @@ def test_bad_inputs_raise_value_error(natives):
     x = torch.randn(3, h).bfloat16()
     ids = torch.tensor([[0, 1], [2, 3], [4, 5]])
     w = torch.rand(3, 2)
-    fused = lambda *args: _fused(experts, *args)  # noqa: E731
-    with pytest.raises(ValueError, match=r"x must be \[T, 64\]"):
-        fused(torch.randn(3, h + 1).bfloat16(), ids, w)
-    with pytest.raises(ValueError, match="topk_ids must be"):
-        fused(x, ids[:2], w[:2])
-    with pytest.raises(ValueError, match="topk_weights must be"):
-        fused(x, ids, w[:, :1])
-    with pytest.raises(ValueError, match="int64"):
-        fused(x, ids.int(), w)
-    for bad in (n, -1, 1000):
-        wrong = ids.clone()
-        wrong[1, 1] = bad
-        with pytest.raises(ValueError, match=rf"expert ids must be in \[0, 8\), got \[{bad}\]"):
-            fused(x, wrong, w)
+    check_routing_errors(lambda *args: _fused(experts, *args), x, ids, w, n,
+                         torch.randn(3, h + 1).bfloat16())
     with pytest.raises(ValueError, match="does not fit"):
         moe.try_moe_bf16(x, ids, w, experts.w13, experts.w2[:, :, :16], experts.w13_panels,
                          experts.w2_panels)
@@ -253,19 +216,19 @@ def test_forward_fused_is_the_kernel_and_survives_released_weights(natives):
     experts = _experts(16, 64, 32, seed=8)
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(12, 64, generator=gen).bfloat16()
-    ids, weights = _routing(12, 16, 4, gen, dtype=torch.bfloat16)
+    ids, weights = random_routing(12, 16, 4, gen, dtype=torch.bfloat16)
     out = experts.forward_fused(x, ids, weights)
-    assert _same_bits(out, _fused(experts, x, ids, weights))
+    assert same_bits(out, _fused(experts, x, ids, weights))
     prepack_weights(experts, release_dense=True)
     assert experts.w13.is_meta and experts.w2.is_meta
-    assert _same_bits(experts.forward_fused(x, ids, weights), out)
+    assert same_bits(experts.forward_fused(x, ids, weights), out)
 
 
 def test_forward_fused_falls_back_to_the_loop(natives, kernels_off):
     """Where the kernel does not apply (float32, an intermediate size the SiLU kernel does
     not take, kernels off) `forward_fused` is `forward`."""
     gen = torch.Generator().manual_seed(9)
-    ids, weights = _routing(5, 8, 2, gen)
+    ids, weights = random_routing(5, 8, 2, gen)
     x = torch.randn(5, 64, generator=gen)
 
     def check(experts: RoutedExperts, x: torch.Tensor, weights: torch.Tensor) -> None:
@@ -317,6 +280,6 @@ def test_set_moe_backend_fused_reads_the_packed_copies(natives):
     prepack_weights(model, release_dense=True)
     assert block.experts.w13.is_meta
     set_moe_backend(model, "fused")
-    assert _same_bits(block(x), before)
+    assert same_bits(block(x), before)
     with pytest.raises(ValueError, match="dense weights"):
         set_moe_backend(model, "grouped_mm")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_checks import (check_routing_errors, int4_batch_invariant, poison_moe_scratch,
+                           require_kernel, same_bits)
 
 from specmoe.config import MoEConfig
 from specmoe.kernels import elementwise, gemv_int4, moe_int4
@@ -16,7 +18,7 @@ from specmoe.layers.linear import Linear
 from specmoe.layers.moe.block import SparseMoEBlock
 from specmoe.layers.quantization import (Int4Linear, QuantizedRoutedExperts,
                                          quantize_model)
-from tiny_models import random_bf16_experts
+from tiny_models import random_bf16_experts, random_routing
 
 KERNEL_UNAVAILABLE_REASON = moe_int4.kernel_unavailable_reason  # for the `enabled` fixture
 U = 2.0 ** -8  # bf16 unit roundoff
@@ -31,34 +33,6 @@ def _quantized(n: int, h: int, i: int, seed: int = 0) -> QuantizedRoutedExperts:
     return qe
 
 
-def _routing(t: int, n: int, k: int, gen: torch.Generator, skewed: bool = False,
-             dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """k distinct experts per token (as top-k routing gives), positive weights; skewed:
-    most tokens pick experts 0 and 1 (more than 32 rows each from T = 36) and a fixed few
-    more, many experts see none."""
-    scores = torch.rand(t, n, generator=gen)
-    if skewed:
-        scores[:, :2] += 10 * (torch.rand(t, 1, generator=gen) < 0.9)
-        scores[:, 2:min(n, 2 + k)] += 1
-    ids = scores.topk(k, dim=-1).indices                            # [T, k] int64
-    weights = (torch.rand(t, k, generator=gen) + 0.1).to(dtype)    # [T, k]
-    return ids, weights
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.dtype is b.dtype and a.shape == b.shape
-            and torch.equal(a.view(torch.int16), b.view(torch.int16)))
-
-
-def _poison_scratch() -> None:
-    """NaN bytes in this thread's kernel scratch, so that a row some call leaves unwritten
-    shows in its output instead of a previous call's values."""
-    buf = getattr(moe_int4._scratch, "buf", None)
-    if buf is not None:
-        with torch.inference_mode():
-            buf.fill_(0xFF)
-
-
 def _one_call(qe: QuantizedRoutedExperts, x, ids, weights, num_threads=None) -> torch.Tensor:
     out = moe_int4.try_moe_int4(x, ids, weights, qe._fused_experts(), num_threads)
     assert out is not None, "the fused int4 kernel did not apply"
@@ -68,7 +42,6 @@ def _one_call(qe: QuantizedRoutedExperts, x, ids, weights, num_threads=None) -> 
 @pytest.fixture
 def natives(enabled):
     """The fused kernel, and the int4 linear and elementwise kernels of the loop."""
-    from kernel_checks import require_kernel
     require_kernel("int4 linear kernel", gemv_int4.kernel_unavailable_reason())
     require_kernel("elementwise kernels", elementwise._lazy.unavailable_reason())
 
@@ -76,10 +49,8 @@ def natives(enabled):
 @pytest.fixture
 def batch_invariant():
     """gemv_int4's batch-invariant mode: the loop then runs the int4 kernel at any rows."""
-    was = gemv_int4.is_batch_invariant()
-    gemv_int4.set_batch_invariant(True)
-    yield
-    gemv_int4.set_batch_invariant(was)
+    with int4_batch_invariant():
+        yield
 
 
 def _int4_linear(kernel, view: gemv_int4.Int4Weights, x: torch.Tensor) -> torch.Tensor:
@@ -126,11 +97,11 @@ def test_one_call_has_the_bits_of_the_per_expert_loop(natives, batch_invariant, 
     for t in TOKENS:
         x = torch.randn(t, h, generator=gen).to(BF16)
         dtype = BF16 if t % 2 else torch.float32  # the router's bf16, or fp32
-        ids, weights = _routing(t, n, k, gen, skewed, dtype)
-        _poison_scratch()
+        ids, weights = random_routing(t, n, k, gen, skewed, dtype)
+        poison_moe_scratch()
         out = _one_call(qe, x, ids, weights)
         assert out.shape == (t, h) and out.dtype is BF16
-        assert _same_bits(out, qe.forward_loop(x, ids, weights)), f"T={t}"
+        assert same_bits(out, qe.forward_loop(x, ids, weights)), f"T={t}"
 
 
 def test_default_mode_loop_bits_up_to_32_rows_per_expert(natives):
@@ -142,9 +113,9 @@ def test_default_mode_loop_bits_up_to_32_rows_per_expert(natives):
     gen = torch.Generator().manual_seed(1)
     for t, skewed in [(1, False), (4, True), (16, True), (32, True), (100, False)]:
         x = torch.randn(t, h, generator=gen).to(BF16)
-        ids, weights = _routing(t, n, k, gen, skewed, BF16)
+        ids, weights = random_routing(t, n, k, gen, skewed, BF16)
         assert int(torch.bincount(ids.flatten()).max()) <= gemv_int4.MAX_SPLIT_ROWS
-        assert _same_bits(_one_call(qe, x, ids, weights), qe.forward_loop(x, ids, weights))
+        assert same_bits(_one_call(qe, x, ids, weights), qe.forward_loop(x, ids, weights))
 
 
 def test_one_expert_with_many_rows_and_repeated_ids(natives, batch_invariant):
@@ -156,7 +127,7 @@ def test_one_expert_with_many_rows_and_repeated_ids(natives, batch_invariant):
     for ids in (torch.full((320, 1), 3), torch.tensor([[2, 2, 0]] * 320)):
         weights = torch.rand(*ids.shape, generator=gen)
         out = _one_call(qe, x, ids, weights)
-        assert _same_bits(out, qe.forward_loop(x, ids, weights))
+        assert same_bits(out, qe.forward_loop(x, ids, weights))
 
 
 def _sum_error(qe: QuantizedRoutedExperts, which: str, e: int, a: torch.Tensor
@@ -216,7 +187,7 @@ def test_within_rounding_of_the_reference(natives, n, h, i, k):
     gen = torch.Generator().manual_seed(4)
     for t, skewed in [(1, False), (9, True), (80, False), (320, True)]:
         x = torch.randn(t, h, generator=gen).to(BF16)
-        ids, weights = _routing(t, n, k, gen, skewed)
+        ids, weights = random_routing(t, n, k, gen, skewed)
         out = _one_call(qe, x, ids, weights).float()
         ref = qe.forward_reference(x, ids, weights).float()
         bound = _rounding_bound(qe, x, ids, weights) + U * (out.abs() + ref.abs()) + 1e-6
@@ -233,15 +204,15 @@ def test_batch_invariance_at_any_rows_per_expert(natives):
     qe = _quantized(n, h, i, seed=5)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(80, h, generator=gen).to(BF16)
-    ids, weights = _routing(80, n, k, gen, skewed=True, dtype=BF16)
+    ids, weights = random_routing(80, n, k, gen, skewed=True, dtype=BF16)
     alone = torch.cat([_one_call(qe, x[j:j + 1], ids[j:j + 1], weights[j:j + 1])
                        for j in range(80)])
     for size in (2, 3, 9, 16, 17, 33, 40, 79, 80):
         for rep in range(2):
             pick = torch.randperm(80, generator=gen)[:size]  # other neighbours, positions
-            _poison_scratch()
+            poison_moe_scratch()
             out = _one_call(qe, x[pick], ids[pick], weights[pick])
-            assert _same_bits(out, alone[pick]), f"{size} tokens, draw {rep}"
+            assert same_bits(out, alone[pick]), f"{size} tokens, draw {rep}"
 
 
 def test_thread_count_invariance(natives):
@@ -255,14 +226,14 @@ def test_thread_count_invariance(natives):
     gen = torch.Generator().manual_seed(6)
     for t, skewed in [(1, False), (2, False), (9, True), (40, False), (100, True)]:
         x = torch.randn(t, h, generator=gen).to(BF16)
-        ids, weights = _routing(t, n, k, gen, skewed)
-        _poison_scratch()
+        ids, weights = random_routing(t, n, k, gen, skewed)
+        poison_moe_scratch()
         one, used_one = moe_int4.run_kernel(kernel, x, ids, weights, experts, num_threads=1)
-        _poison_scratch()
+        poison_moe_scratch()
         two, used_two = moe_int4.run_kernel(kernel, x, ids, weights, experts, num_threads=2)
         assert used_one == 1 and used_two == 2, (t, used_two)
-        assert _same_bits(one, two), f"T={t}"
-        assert _same_bits(one, _composition(qe, x, ids, weights, gemv_int4._lazy.get()))
+        assert same_bits(one, two), f"T={t}"
+        assert same_bits(one, _composition(qe, x, ids, weights, gemv_int4._lazy.get()))
 
 
 def test_fma_variant_bit_exact_with_its_composition(natives, fma_variant):
@@ -275,9 +246,9 @@ def test_fma_variant_bit_exact_with_its_composition(natives, fma_variant):
     gen = torch.Generator().manual_seed(7)
     for t in (1, 9, 40):
         x = torch.randn(t, 64, generator=gen).to(BF16)
-        ids, weights = _routing(t, 16, 4, gen, skewed=t == 40)
+        ids, weights = random_routing(t, 16, 4, gen, skewed=t == 40)
         out, _ = moe_int4.run_kernel(kernel, x, ids, weights, qe._fused_experts())
-        assert _same_bits(out, _composition(qe, x, ids, weights, linear_kernel))
+        assert same_bits(out, _composition(qe, x, ids, weights, linear_kernel))
 
 
 def test_no_tokens_and_where_it_does_not_apply(natives, kernels_off):
@@ -301,20 +272,11 @@ def test_bad_inputs_raise_value_error_and_write_nothing(natives):
     x = torch.randn(3, h).to(BF16)
     ids = torch.tensor([[0, 1], [2, 3], [4, 5]])
     w = torch.rand(3, 2)
-    call = lambda *args: moe_int4.try_moe_int4(*args, experts)  # noqa: E731
-    with pytest.raises(ValueError, match=r"x must be \[T, 64\]"):
-        call(torch.randn(3, h + 32).to(BF16), ids, w)
-    with pytest.raises(ValueError, match="topk_ids must be"):
-        call(x, ids[:2], w[:2])
-    with pytest.raises(ValueError, match="topk_weights must be"):
-        call(x, ids, w[:, :1])
-    with pytest.raises(ValueError, match="int64"):
-        call(x, ids.int(), w)
+    check_routing_errors(lambda *args: moe_int4.try_moe_int4(*args, experts), x, ids, w, n,
+                         torch.randn(3, h + 32).to(BF16))
     for bad in (n, -1, 1000):
         wrong = ids.clone()
         wrong[1, 1] = bad
-        with pytest.raises(ValueError, match=rf"expert ids must be in \[0, 8\), got \[{bad}\]"):
-            call(x, wrong, w)
         # the kernel itself: refused before anything is written
         out = torch.full((3, h), 7.0, dtype=BF16)
         scratch = moe_int4.scratch_for(3, 2, h, i, n)
@@ -339,18 +301,18 @@ def test_forward_is_the_one_call(natives, monkeypatch):
     qe = _quantized(16, 64, 64, seed=8)
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(12, 64, generator=gen).to(BF16)
-    ids, weights = _routing(12, 16, 4, gen, dtype=BF16)
+    ids, weights = random_routing(12, 16, 4, gen, dtype=BF16)
     calls = []
     real = moe_int4.run_kernel
     monkeypatch.setattr(moe_int4, "run_kernel",
                         lambda *a, **kw: calls.append(1) or real(*a, **kw))
     out = qe(x, ids, weights)
     assert calls == [1]
-    assert _same_bits(out, _one_call(qe, x, ids, weights))
+    assert same_bits(out, _one_call(qe, x, ids, weights))
     # the buffers moved (as into huge pages): the kernel follows them
     for name in ("w13_packed", "w2_zeros"):
         setattr(qe, name, getattr(qe, name).clone())
-    assert _same_bits(qe(x, ids, weights), out)
+    assert same_bits(qe(x, ids, weights), out)
     assert qe._fused_experts().tensors[0] is qe.w13_packed
 
 
@@ -390,7 +352,7 @@ def test_quantised_block_with_a_shared_expert(natives, batch_invariant, monkeypa
         out = block(x)
         assert calls and out.shape == (t, 128) and out.dtype is BF16
         block.run_experts = block.experts.forward_loop
-        assert _same_bits(out, block(x)), f"T={t}"
+        assert same_bits(out, block(x)), f"T={t}"
         block.run_experts = block.experts.forward_reference
         ref = block(x).float()
         routing = block.router(x)

@@ -28,6 +28,7 @@ from specmoe.layers.quantization import (Int4Linear, QuantizedRoutedExperts,
                                          pack_int4_groups, quantize_int4, quantize_model,
                                          speculation_caveat)
 from specmoe.loader.model_loader import load_model
+from kernel_checks import int4_batch_invariant
 from tiny_models import random_bf16_experts
 
 U = 2.0 ** -8  # bf16 unit roundoff
@@ -50,10 +51,9 @@ def _routing(t: int, n: int, k: int, gen: torch.Generator, skewed: bool = False)
 
 @pytest.fixture
 def batch_invariant():
-    was = gemv_int4.is_batch_invariant()
-    gemv_int4.set_batch_invariant(True)
-    yield
-    gemv_int4.set_batch_invariant(was)
+    """gemv_int4's batch-invariant mode on for one test."""
+    with int4_batch_invariant():
+        yield
 
 
 def test_int4_layout_is_pack_int4s():
