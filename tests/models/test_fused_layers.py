@@ -12,7 +12,7 @@ import copy
 import weakref
 
 import pytest
-from kernel_checks import require_kernel
+from kernel_checks import assert_same_runs, fused_driver, require_kernel, run_schedule
 import torch
 
 from specmoe import kernels
@@ -25,6 +25,7 @@ from specmoe.loader.model_loader import default_dtype
 from specmoe.models import fused_layers
 from specmoe.models.decoder import DecoderModel
 from specmoe.worker.kv_cache import PagedKVCache
+from tiny_models import randomize_
 
 KERNEL_UNAVAILABLE_REASON = decoder._lazy.unavailable_reason  # for `enabled`
 BLOCK = 16
@@ -55,14 +56,8 @@ ARCHS = {
 def _model(arch: ArchConfig, dtype=BF16, release: bool = True, seed: int = 0,
            quantization: str | None = None) -> DecoderModel:
     """A random model, quantised and then its dense weights released as the loader does."""
-    g = torch.Generator().manual_seed(seed)
     with default_dtype(dtype):
-        model = DecoderModel(arch, 256)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g) * 0.1
-            p.copy_(1 + noise if name.endswith("norm.weight") else noise)
-    model.eval().requires_grad_(False)
+        model = randomize_(DecoderModel(arch, 256), seed)
     if quantization is not None:
         quantize_model(model, quantization)
     if release:
@@ -84,23 +79,7 @@ DRAFT_SCHEDULE = [[(0, 9), (0, 7)], [(9, 1), (7, 1)], [(10, 1), (8, 1), (0, 14)]
 def _run(model: DecoderModel, arch: ArchConfig, fused: bool, cache: PagedKVCache | None = None,
          schedule=SCHEDULE):
     """Hidden states of every forward of `schedule` and the caches, fused path on or off."""
-    cache = cache or PagedKVCache(arch, 12, BLOCK, BF16, torch.device("cpu"))
-    tables = [[0, 1, 2, 3], [5, 4], [9, 7]]
-    g = torch.Generator().manual_seed(1)
-    outs = []
-    was = fused_layers._enabled
-    fused_layers.set_enabled(fused)
-    try:
-        with torch.inference_mode():
-            for step in schedule:
-                seqs = [SequenceSlice(s, n, tables[i]) for i, (s, n) in enumerate(step)]
-                meta = AttentionMetadata.build(seqs, BLOCK, "cpu", arch.sliding_window)
-                ids = torch.randint(0, arch.vocab_size, (meta.num_tokens,), generator=g)
-                pos = torch.cat([torch.arange(s, s + n) for s, n in step])
-                outs.append(model(ids, pos, cache.layers, meta))
-    finally:
-        fused_layers.set_enabled(was)
-    return outs, cache
+    return run_schedule(model, arch, fused, schedule, [[0, 1, 2, 3], [5, 4], [9, 7]], cache)
 
 
 @contextlib.contextmanager
@@ -112,11 +91,7 @@ def _counting(monkeypatch):
 
 
 def _assert_same(a, b) -> None:
-    (outs_a, cache_a), (outs_b, cache_b) = a, b
-    for x, y in zip(outs_a, outs_b, strict=True):
-        assert x.dtype is y.dtype is BF16 and torch.equal(x, y)
-    for (ka, va), (kb, vb) in zip(cache_a.layers, cache_b.layers, strict=True):
-        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    assert_same_runs(a, b, BF16)
 
 
 @pytest.mark.parametrize("name", list(ARCHS))
@@ -183,13 +158,9 @@ def test_the_modules_run_where_the_fused_path_does_not_apply(enabled, monkeypatc
     cache = PagedKVCache(arch, 4, BLOCK, model.embed_tokens.weight.dtype, torch.device("cpu"))
     meta = AttentionMetadata.build([SequenceSlice(0, 3, [0])], BLOCK, "cpu")
     ids, pos = torch.tensor([1, 2, 3]), torch.arange(3)
-    was = fused_layers._enabled
-    fused_layers.set_enabled(case != "off")
-    try:
-        with _counting(monkeypatch) as calls, torch.set_grad_enabled(case == "grad"):
-            out = model(ids, pos, cache.layers, meta)
-    finally:
-        fused_layers.set_enabled(was)
+    with fused_driver(case != "off"), _counting(monkeypatch) as calls, \
+            torch.set_grad_enabled(case == "grad"):
+        out = model(ids, pos, cache.layers, meta)
     assert calls == [] and out.shape == (3, arch.hidden_size)
 
 

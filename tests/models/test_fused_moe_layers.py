@@ -13,21 +13,20 @@ import contextlib
 
 import pytest
 import torch
+from kernel_checks import assert_same_runs, fused_driver, run_schedule
 
 from specmoe import LLM, SamplingParams
-from specmoe.config import ArchConfig, MoEConfig, ModelConfig
+from specmoe.config import ArchConfig, ModelConfig
 from specmoe.kernels import decoder
 from specmoe.layers.linear import prepack_weights
 from specmoe.layers.moe.backends import moe_blocks, set_expert_stats, set_moe_backend
 from specmoe.layers.moe.stats import ExpertStatsRecorder, NullExpertStats
-from specmoe.layers.paged_attention import AttentionMetadata, SequenceSlice
 from specmoe.loader.model_loader import default_dtype, load_model
-from specmoe.models import fused_layers
 from specmoe.models.decoder import DecoderModel
 from specmoe.worker.kv_cache import PagedKVCache
+from tiny_models import qwen2_moe_arch, randomize_
 
 KERNEL_UNAVAILABLE_REASON = decoder._lazy.unavailable_reason  # for `enabled`
-BLOCK = 16
 BF16 = torch.bfloat16
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -48,24 +47,9 @@ def tiny_moe():
 
 def _qwen2_moe(shared_gate: bool = True, seed: int = 0, zero_router: bool = False
                ) -> tuple[DecoderModel, ArchConfig]:
-    moe = MoEConfig(num_experts=16, top_k=4, moe_intermediate_size=48, norm_topk_prob=True,
-                    shared_expert_intermediate_size=96, has_shared_expert_gate=shared_gate,
-                    moe_layers=[0, 2])
-    arch = ArchConfig(architecture="Qwen2MoeForCausalLM", vocab_size=300, hidden_size=128,
-                      intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
-                      rope_theta=10000.0, max_position_embeddings=512, attention_bias=True,
-                      moe=moe)
-    g = torch.Generator().manual_seed(seed)
+    arch = qwen2_moe_arch(48, shared_gate)
     with default_dtype(BF16):
-        model = DecoderModel(arch, 256)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g) * 0.1
-            p.copy_(1 + noise if name.endswith("norm.weight") else noise)
-            if zero_router and name.endswith("router.gate.weight"):
-                p.zero_()
-    model.eval().requires_grad_(False)
+        model = randomize_(DecoderModel(arch, 256), seed, zero_router)
     set_moe_backend(model, "fused")
     prepack_weights(model, release_dense=True)
     return model, arch
@@ -73,23 +57,7 @@ def _qwen2_moe(shared_gate: bool = True, seed: int = 0, zero_router: bool = Fals
 
 def _run(model, arch, fused: bool, schedule=SCHEDULE, cache: PagedKVCache | None = None):
     """Hidden states and logits of every forward of `schedule`, and the caches."""
-    cache = cache or PagedKVCache(arch, 12, BLOCK, BF16, torch.device("cpu"))
-    g = torch.Generator().manual_seed(1)
-    outs = []
-    was = fused_layers._enabled
-    fused_layers.set_enabled(fused)
-    try:
-        with torch.inference_mode():
-            for step in schedule:
-                seqs = [SequenceSlice(s, n, TABLES[i]) for i, (s, n) in enumerate(step)]
-                meta = AttentionMetadata.build(seqs, BLOCK, "cpu", arch.sliding_window)
-                ids = torch.randint(0, arch.vocab_size, (meta.num_tokens,), generator=g)
-                pos = torch.cat([torch.arange(s, s + n) for s, n in step])
-                hidden = model(ids, pos, cache.layers, meta)
-                outs += [hidden, model.compute_logits(hidden)]
-    finally:
-        fused_layers.set_enabled(was)
-    return outs, cache
+    return run_schedule(model, arch, fused, schedule, TABLES, cache, logits=True)
 
 
 @contextlib.contextmanager
@@ -106,14 +74,6 @@ def _counting(monkeypatch):
     yield calls
 
 
-def _assert_same(a, b) -> None:
-    (outs_a, cache_a), (outs_b, cache_b) = a, b
-    for x, y in zip(outs_a, outs_b, strict=True):
-        assert x.dtype is y.dtype and torch.equal(x, y)
-    for (ka, va), (kb, vb) in zip(cache_a.layers, cache_b.layers, strict=True):
-        assert torch.equal(ka, kb) and torch.equal(va, vb)
-
-
 def test_tiny_moe_fused_gives_the_module_bits(enabled, monkeypatch, tiny_moe):
     model, arch = tiny_moe
     assert arch.moe is not None and all(
@@ -121,7 +81,7 @@ def test_tiny_moe_fused_gives_the_module_bits(enabled, monkeypatch, tiny_moe):
     with _counting(monkeypatch) as calls:
         fused = _run(model, arch, True)
     assert calls == [True] * len(SCHEDULE)  # every forward was one native call
-    _assert_same(fused, _run(model, arch, False))
+    assert_same_runs(fused, _run(model, arch, False))
 
 
 @pytest.mark.parametrize("shared_gate", [True, False])
@@ -131,7 +91,7 @@ def test_shared_expert_and_mixed_layers_give_the_module_bits(enabled, monkeypatc
     with _counting(monkeypatch) as calls:
         fused = _run(model, arch, True)
     assert len(calls) == len(SCHEDULE)
-    _assert_same(fused, _run(model, arch, False))
+    assert_same_runs(fused, _run(model, arch, False))
 
 
 def test_routing_ties_go_to_the_lower_expert_id(enabled, monkeypatch):
@@ -141,7 +101,7 @@ def test_routing_ties_go_to_the_lower_expert_id(enabled, monkeypatch):
     with _counting(monkeypatch) as calls:
         fused = _run(model, arch, True)
     assert len(calls) == len(SCHEDULE)
-    _assert_same(fused, _run(model, arch, False))
+    assert_same_runs(fused, _run(model, arch, False))
     recorder = ExpertStatsRecorder()
     set_expert_stats(model, recorder)
     _run(model, arch, True, schedule=SCHEDULE[:1])
@@ -174,7 +134,7 @@ def test_hooks_recorders_and_other_backends_send_forwards_to_the_modules(enabled
     with _counting(monkeypatch) as calls:
         after = _run(model, arch, True)
     assert calls == []
-    _assert_same(after, _run(model, arch, False))
+    assert_same_runs(after, _run(model, arch, False))
 
 
 def test_a_recorder_attached_after_the_table_was_built_is_served(enabled, monkeypatch):
@@ -208,14 +168,9 @@ def test_greedy_speculation_with_the_driver_equals_greedy_without(enabled, monke
                "Die Stadt liegt am Ufer des Flusses und hat etwa zwanzigtausend"]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     llm = LLM("tiny-moe", dtype="bfloat16", device="cpu", moe_backend="fused")
-    was = fused_layers._enabled
-    try:
-        fused_layers.set_enabled(False)
+    with fused_driver(False):
         ref = [o.token_ids for o in llm.generate(prompts, params)]
-        fused_layers.set_enabled(True)
-        with _counting(monkeypatch) as calls:
-            outs = llm.with_speculative(speculative).generate(prompts, params)
-    finally:
-        fused_layers.set_enabled(was)
+    with fused_driver(True), _counting(monkeypatch) as calls:
+        outs = llm.with_speculative(speculative).generate(prompts, params)
     assert [o.token_ids for o in outs] == ref
     assert any(calls) and sum(o.spec_stats.num_drafts for o in outs) > 0
