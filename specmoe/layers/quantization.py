@@ -258,10 +258,9 @@ class QuantizedRoutedExperts(nn.Module):
         for name in _EXPERT_BUFFERS[method]:
             self.register_buffer(name, tensors[name])
         self.reads_packed = True  # set by `set_moe_backend`, as on `RoutedExperts`
+        # (the int4 buffers' addresses, what was built from them): see `_from_int4_buffers`
         self._views: tuple | None = None  # per expert `Int4Weights` of w13 and w2
-        self._views_key: tuple | None = None
-        self._fused: moe_int4.Int4Experts | None = None  # all experts, for the one call
-        self._fused_key: tuple | None = None
+        self._fused: tuple | None = None  # all experts' `Int4Experts`, for the one call
 
     @classmethod
     def from_experts(cls, experts: RoutedExperts, method: str) -> "QuantizedRoutedExperts":
@@ -311,35 +310,35 @@ class QuantizedRoutedExperts(nn.Module):
 
     # -- per expert ----------------------------------------------------------------------
 
-    def _kernel_views(self) -> tuple | None:
-        """Per expert `gemv_int4.Int4Weights` views of (w13, w2), rebuilt when the buffers
-        moved (huge pages, `.to()`); None without the int4 kernel's layout on this CPU."""
+    def _from_int4_buffers(self, cache: str, build):
+        """`build(*buffers)` of the stacked int4 buffers (`_EXPERT_BUFFERS["int4"]`'s order),
+        kept in the attribute `cache` with their addresses and rebuilt when the buffers moved
+        (huge pages, `.to()`); None for int8, off CPU, or on a CPU without the int4 kernel's
+        instructions (its layout is the kernels')."""
         if self.method != "int4" or not self.w13_packed.is_cpu or \
                 gemv_int4.cpu_unsupported_reason():
             return None
         bufs = [getattr(self, name) for name in _EXPERT_BUFFERS["int4"]]
         key = tuple(b.data_ptr() for b in bufs)
-        if self._views_key != key:
-            p13, s13, z13, p2, s2, z2 = bufs
-            self._views = (
-                [gemv_int4.Int4Weights(p13[e], s13[e], z13[e]) for e in range(self.num_experts)],
-                [gemv_int4.Int4Weights(p2[e], s2[e], z2[e]) for e in range(self.num_experts)])
-            self._views_key = key
-        return self._views
+        cached = getattr(self, cache)
+        if cached is None or cached[0] != key:
+            cached = (key, build(*bufs))
+            setattr(self, cache, cached)
+        return cached[1]
+
+    def _kernel_views(self) -> tuple | None:
+        """Per expert `gemv_int4.Int4Weights` views of (w13, w2), or None
+        (`_from_int4_buffers`)."""
+        def views(p13, s13, z13, p2, s2, z2):
+            experts = range(self.num_experts)
+            return ([gemv_int4.Int4Weights(p13[e], s13[e], z13[e]) for e in experts],
+                    [gemv_int4.Int4Weights(p2[e], s2[e], z2[e]) for e in experts])
+        return self._from_int4_buffers("_views", views)
 
     def _fused_experts(self) -> moe_int4.Int4Experts | None:
-        """The stacked int4 buffers as the fused int4 MoE kernel takes them, rebuilt when
-        the buffers moved (huge pages, `.to()`); None for int8, off CPU, or on a CPU without
-        the int4 kernel's instructions."""
-        if self.method != "int4" or not self.w13_packed.is_cpu or \
-                gemv_int4.cpu_unsupported_reason():
-            return None
-        bufs = [getattr(self, name) for name in _EXPERT_BUFFERS["int4"]]
-        key = tuple(b.data_ptr() for b in bufs)
-        if self._fused_key != key:
-            self._fused = moe_int4.Int4Experts(*bufs)
-            self._fused_key = key
-        return self._fused
+        """The stacked int4 buffers as the fused int4 MoE kernel takes them, or None
+        (`_from_int4_buffers`)."""
+        return self._from_int4_buffers("_fused", moe_int4.Int4Experts)
 
     def dequantized(self, which: str, e: int, dtype: torch.dtype = torch.float32
                     ) -> torch.Tensor:
