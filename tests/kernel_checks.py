@@ -57,6 +57,22 @@ def poison_moe_scratch() -> None:
             buf.fill_(0xFF)
 
 
+def check_batch_invariance(call, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                           sizes, gen: torch.Generator) -> None:
+    """Each token's output bits from `call(x, ids, weights)` (a fused MoE kernel over the T
+    tokens given) are the same alone (T = 1) as among each of `sizes` tokens drawn twice
+    from them with `gen` (other neighbours, other positions), the scratch poisoned before
+    each call."""
+    t = x.shape[0]
+    alone = torch.cat([call(x[j:j + 1], ids[j:j + 1], weights[j:j + 1]) for j in range(t)])
+    for size in sizes:
+        for rep in range(2):
+            pick = torch.randperm(t, generator=gen)[:size]
+            poison_moe_scratch()
+            out = call(x[pick], ids[pick], weights[pick])
+            assert same_bits(out, alone[pick]), f"{size} tokens, draw {rep}"
+
+
 def check_routing_errors(call, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                          num_experts: int, wrong_x: torch.Tensor) -> None:
     """`call(x, ids, weights)` (a fused MoE kernel's try_ function on 3 tokens with k = 2

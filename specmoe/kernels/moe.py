@@ -33,13 +33,8 @@ SCRATCH_BUDGET = moe_common.SCRATCH_BUDGET
 
 
 def load_kernel(extra_flags: tuple[str, ...] = ()):
-    """Build and load the kernel; returns the ctypes function `specmoe_moe_bf16` (see the C
-    source for its arguments) with its library at `.library` (`moe_common.load_kernel`).
-
-    Raises:
-        KernelBuildError: no suitable CPU, no compiler, or the build failed.
-        OSError: the built library cannot be loaded.
-    """
+    """The ctypes function `specmoe_moe_bf16` (the C source gives its arguments), built and
+    loaded by `moe_common.load_kernel` (which says what it carries and raises)."""
     return moe_common.load_kernel("moe_bf16.c", "specmoe_moe_bf16", "specmoe_moe",
                                   ctypes.c_void_p, gemv.REQUIRED_CPU_FLAGS, extra_flags)
 

@@ -35,13 +35,8 @@ GROUP_SIZE = gemv_int4.GROUP_SIZE
 
 
 def load_kernel(extra_flags: tuple[str, ...] = ()):
-    """Build and load the kernel; returns the ctypes function `specmoe_moe_int4` (see the C
-    source for its arguments) with its library at `.library` (`moe_common.load_kernel`).
-
-    Raises:
-        KernelBuildError: no suitable CPU, no compiler, or the build failed.
-        OSError: the built library cannot be loaded.
-    """
+    """The ctypes function `specmoe_moe_int4` (the C source gives its arguments), built and
+    loaded by `moe_common.load_kernel` (which says what it carries and raises)."""
     return moe_common.load_kernel("moe_int4.c", "specmoe_moe_int4", "specmoe_moe_int4",
                                   ctypes.POINTER(gemv_int4._CWeights),
                                   gemv_int4._REQUIRED_CPU_FLAGS, extra_flags)

@@ -9,8 +9,8 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_checks import (check_routing_errors, poison_moe_scratch, require_kernel,
-                           same_bits)
+from kernel_checks import (check_batch_invariance, check_routing_errors, poison_moe_scratch,
+                           require_kernel, same_bits)
 
 from specmoe.kernels import elementwise, gemv, moe
 from specmoe.layers.linear import prepack_weights
@@ -142,14 +142,8 @@ def test_batch_invariance(natives):
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(80, h, generator=gen).bfloat16()
     ids, weights = random_routing(80, n, k, gen, skewed=True, dtype=torch.bfloat16)
-    alone = torch.cat([_fused(experts, x[j:j + 1], ids[j:j + 1], weights[j:j + 1])
-                       for j in range(80)])
-    for size in (2, 3, 9, 16, 17, 40, 79, 80):
-        for rep in range(2):
-            pick = torch.randperm(80, generator=gen)[:size]  # other neighbours, positions
-            poison_moe_scratch()
-            out = _fused(experts, x[pick], ids[pick], weights[pick])
-            assert same_bits(out, alone[pick]), f"{size} tokens, draw {rep}"
+    check_batch_invariance(lambda *args: _fused(experts, *args), x, ids, weights,
+                           (2, 3, 9, 16, 17, 40, 79, 80), gen)
 
 
 def test_thread_count_invariance(natives):

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_checks import (check_routing_errors, int4_batch_invariant, poison_moe_scratch,
-                           require_kernel, same_bits)
+from kernel_checks import (check_batch_invariance, check_routing_errors, int4_batch_invariant,
+                           poison_moe_scratch, require_kernel, same_bits)
 
 from specmoe.config import MoEConfig
 from specmoe.kernels import elementwise, gemv_int4, moe_int4
@@ -205,14 +205,8 @@ def test_batch_invariance_at_any_rows_per_expert(natives):
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(80, h, generator=gen).to(BF16)
     ids, weights = random_routing(80, n, k, gen, skewed=True, dtype=BF16)
-    alone = torch.cat([_one_call(qe, x[j:j + 1], ids[j:j + 1], weights[j:j + 1])
-                       for j in range(80)])
-    for size in (2, 3, 9, 16, 17, 33, 40, 79, 80):
-        for rep in range(2):
-            pick = torch.randperm(80, generator=gen)[:size]  # other neighbours, positions
-            poison_moe_scratch()
-            out = _one_call(qe, x[pick], ids[pick], weights[pick])
-            assert same_bits(out, alone[pick]), f"{size} tokens, draw {rep}"
+    check_batch_invariance(lambda *args: _one_call(qe, *args), x, ids, weights,
+                           (2, 3, 9, 16, 17, 33, 40, 79, 80), gen)
 
 
 def test_thread_count_invariance(natives):
