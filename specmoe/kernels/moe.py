@@ -27,10 +27,6 @@ from specmoe.kernels.build import LazyKernel
 from specmoe.kernels.gemv import PackedWeight, packed_shape
 from specmoe.kernels.moe_common import scratch_buffer
 
-# A call needing more scratch than this runs in chunks of tokens (`moe_common`; the fused
-# decoder driver's steps keep to it too).
-SCRATCH_BUDGET = moe_common.SCRATCH_BUDGET
-
 
 def load_kernel(extra_flags: tuple[str, ...] = ()):
     """The ctypes function `specmoe_moe_bf16` (the C source gives its arguments), built and

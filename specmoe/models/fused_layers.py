@@ -31,7 +31,7 @@ import operator
 import torch
 from torch.nn.modules import module as torch_module
 
-from specmoe.kernels import attention, decoder, gemv_int4, moe
+from specmoe.kernels import attention, decoder, gemv_int4, moe_common
 from specmoe.kernels.gemv import PackedWeight
 from specmoe.layers.attention import Attention
 from specmoe.layers.linear import Linear
@@ -237,7 +237,7 @@ class FusedLayers:
             return False
         sizes = self._moe_sizes
         if sizes.any and decoder.moe_scratch_bytes(sizes, t, self._dims.hidden
-                                                   ) > moe.SCRATCH_BUDGET:
+                                                   ) > moe_common.SCRATCH_BUDGET:
             return False  # the modules run the experts in chunks of tokens
         p_min, p_max = map(int, torch.aminmax(positions))
         s_min, s_max = map(int, torch.aminmax(slots))
