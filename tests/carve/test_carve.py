@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from carve_sources import DRAFT, FAST
 
 from specmoe import LLM, SamplingParams
 from specmoe.carve import dense, evaluate
@@ -24,8 +25,6 @@ from specmoe.worker.model_runner import ModelRunner
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-DRAFT = "tiny-moe-draft"
-FAST = dict(calibration_windows=6, window=64, cluster_tokens=256, cluster_iterations=3)
 
 
 @pytest.fixture(scope="module")
@@ -85,18 +84,6 @@ def test_k_equal_n_reproduces_the_dense_logits(which, n, shared, qwen2_dir, tmp_
     ids = _ids()
     want = dense.forward(dense.load_dense(source), ids)
     torch.testing.assert_close(_hf_logits(tmp_path, ids), want, atol=1e-4, rtol=0)
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    """tiny-moe-draft carved into 4 shared + 12 routed experts, top-4, trained briefly."""
-    out = tmp_path_factory.mktemp("carved")
-    settings = CarveSettings(num_experts=12, top_k=4, shared_experts=4, dtype="float32",
-                             train=TrainSettings(steps=30, batch=128), **FAST)
-    reports = carve(DRAFT, out, settings, progress=False)
-    assert [r.layer for r in reports] == [0, 1]
-    assert all(r.error_after < r.error_before for r in reports)
-    return out
 
 
 def test_carved_model_has_the_same_logits_in_transformers_and_specmoe(trained):
@@ -221,3 +208,21 @@ def test_install_recipe_carves_into_the_cache_and_checks_the_hash(tmp_path, monk
     assert recipes.install_recipe("t", progress=False).matches_record is False
     with pytest.raises(ValueError, match="unknown carve recipe 'nope'"):
         recipes.install_recipe("nope")
+
+
+@pytest.mark.slow
+def test_smoke_carve_of_smollm2_serves_losslessly(smollm2, tmp_path):
+    """The embedded default model, two of its 30 layers carved on a few calibration tokens:
+    the checkpoint serves, and greedy n-gram speculation on it gives the plain tokens."""
+    settings = CarveSettings(num_experts=12, top_k=4, shared_experts=4, layers=(3, 17),
+                             train=TrainSettings(steps=10, batch=128), **FAST)
+    reports = carve(smollm2, tmp_path, settings, progress=False)
+    assert [r.layer for r in reports] == [3, 17]
+    llm = LLM(str(tmp_path), dtype="bfloat16")
+    assert llm.target.arch.moe.moe_layers == [3, 17]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompt = "def fibonacci(n):\n    "
+    plain = llm.generate(prompt, params)[0].token_ids
+    spec = LLM(str(tmp_path), dtype="bfloat16",
+               speculative={"method": "ngram", "num_speculative_tokens": 4})
+    assert spec.generate(prompt, params)[0].token_ids == plain
