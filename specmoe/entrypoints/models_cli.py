@@ -1,4 +1,4 @@
-"""`specmoe models`: install, list and carve models."""
+"""`specmoe models`: install, list, carve models and measure a carved model's card."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ def add_models_parser(sub) -> None:
                          help="model alias, group or carve recipe (see `specmoe models list`)")
     models_sub.add_parser("list", help="models, their roles and whether they are installed")
     add_carve_parser(models_sub)
+    add_card_parser(models_sub)
 
 
 def add_carve_parser(models_sub) -> None:
@@ -44,6 +45,41 @@ def add_carve_parser(models_sub) -> None:
     carve.add_argument("--no-progress", action="store_true")
 
 
+def add_card_parser(models_sub) -> None:
+    card = models_sub.add_parser(
+        "card", help="measure a carved MoE against its dense original (model card)",
+        description="Held-out perplexity per domain, greedy agreement, acceptance of a draft "
+                    "and of n-gram at K = 1..K_max against the carved and the dense target, "
+                    "and the carved model's routing, all through the engine; writes "
+                    "card.json, README.md and acceptance_vs_k.png into OUT.")
+    card.add_argument("model", metavar="MODEL", help="the carved MoE (directory or alias)")
+    card.add_argument("--dense", required=True, help="its dense original")
+    card.add_argument("--draft", default="qwen2.5-coder-0.5b", help="draft model")
+    card.add_argument("--out", required=True, help="output directory")
+    card.add_argument("--num-prompts", type=int, default=2,
+                      help="prompts per dataset and Spec-Bench category (default 2)")
+    card.add_argument("--max-tokens", type=int, default=96, help="greedy tokens per prompt")
+    card.add_argument("--max-k", type=int, default=8)
+    card.add_argument("--check-k", type=int, default=4,
+                      help="K of the real speculative runs that check the replay (0: none)")
+    card.add_argument("--eval-windows", type=int, default=4,
+                      help="held-out windows per corpus file")
+    card.add_argument("--window", type=int, default=256)
+    card.add_argument("--corpus-dir", default=None)
+
+
+def cmd_card(args) -> int:
+    from specmoe.analysis.model_card import CardConfig, measure_card
+    from specmoe.analysis.model_card_report import write_card
+    cfg = CardConfig(model=args.model, dense=args.dense, draft=args.draft,
+                     num_prompts=args.num_prompts, max_tokens=args.max_tokens,
+                     max_k=args.max_k, check_k=args.check_k, eval_windows=args.eval_windows,
+                     window=args.window, corpus_dir=args.corpus_dir)
+    for path in write_card(measure_card(cfg), args.out):
+        print(path)
+    return 0
+
+
 def cmd_models(args) -> int:
     from specmoe.loader import model_store
     from specmoe.loader.aliases import list_all_models
@@ -57,6 +93,8 @@ def cmd_models(args) -> int:
         return 0
     if args.models_command == "carve":
         return cmd_carve(args)
+    if args.models_command == "card":
+        return cmd_card(args)
     from specmoe.carve.recipes import RECIPES
     recipes = [n for n in args.names if n in RECIPES]
     try:
