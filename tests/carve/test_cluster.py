@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specmoe.carve.cluster import (balanced_assign, balanced_kmeans, coactivation_markers,
-                                   group_neurons, shared_neurons)
+                                   group_neurons, outlier_neurons, shared_neurons)
 
 
 def test_balanced_assign_fills_every_bin_exactly_and_follows_similarity():
@@ -47,3 +47,19 @@ def test_group_neurons_partitions_the_ffn_with_the_busiest_as_shared():
     markers = coactivation_markers(energy, 0.25)
     assert markers.sum(1).tolist() == [12] * 200
     assert shared_neurons(markers, 2).tolist() == [5, 17]
+
+
+def test_a_massive_activation_neuron_joins_the_shared_expert():
+    """Neuron 9 fires on one token of 200, a thousand times above any other neuron: by
+    frequency it would be routed, as an outlier it is shared (ahead of the busiest)."""
+    g = torch.Generator().manual_seed(0)
+    energy = torch.rand(200, 48, generator=g)
+    energy[:, [5, 17, 30, 41]] += 10.0
+    energy[:, 9] = 0.0
+    energy[0, 9] = 1000.0
+    assert outlier_neurons(energy).tolist() == [9]
+    shared, routed = group_neurons(energy, num_experts=11, shared_experts=1,
+                                   active_fraction=0.25, iterations=3, generator=g)
+    assert 9 in shared.tolist() and 9 not in routed.flatten().tolist()
+    assert shared.numel() == 4 and routed.shape == (11, 4)
+    assert outlier_neurons(torch.rand(200, 48, generator=g)).numel() == 0
