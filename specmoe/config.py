@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 SPECULATIVE_METHODS = ("ngram", "draft")
+SPECULATIVE_POLICIES = ("static", "batch_size_table")
 QUANTIZATION_METHODS = ("int8", "int4")
 # How routed experts run (`specmoe.layers.moe.backends`): "auto" picks per device and kernels.
 MOE_BACKEND_CHOICES = ("auto", "fused", "grouped", "grouped_mm", "reference")
@@ -186,6 +187,12 @@ class SpeculativeConfig:
         prompt_lookup_max: largest n-gram matched; longer matches are tried first.
         draft_quantization: None, "int8" or "int4" for the draft model's weights (a draft
             reads all its weights for every token it drafts, so fewer bytes pay directly).
+        policy: how each step's K is chosen: "static" (every request drafts its own K, or
+            num_speculative_tokens) or "batch_size_table" (the K of the range holding the
+            number of running requests, capped by each request's own K).
+        batch_size_table: for policy "batch_size_table", ranges of running requests to K,
+            with vLLM's keys, e.g. {"1-4": 4, "5-16": 2, "17-4096": 0} ("8": the range 8-8);
+            a batch size in no range does not speculate; no K above num_speculative_tokens.
         disable_by_batch_size: pause speculation for every request in a step while at least
             this many requests are running, requests that set their own K included (vLLM's
             speculative_disable_by_batch_size); None: never. Has no effect above the
@@ -201,6 +208,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 3
     draft_quantization: str | None = None
     disable_by_batch_size: int | None = None
+    policy: str = "static"
+    batch_size_table: dict | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -219,6 +228,60 @@ class SpeculativeConfig:
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 2:
             raise ValueError(f"invalid disable_by_batch_size={self.disable_by_batch_size}: "
                              "must be >= 2 (or None: never pause speculation)")
+        self._check_policy()
+
+    def _check_policy(self) -> None:
+        if self.policy not in SPECULATIVE_POLICIES:
+            raise ValueError(f"invalid speculative policy={self.policy!r}: must be one of "
+                             f"{SPECULATIVE_POLICIES}")
+        if (self.policy == "batch_size_table") != (self.batch_size_table is not None):
+            raise ValueError("speculative policy 'batch_size_table' and batch_size_table go "
+                             f"together (policy={self.policy!r}, batch_size_table="
+                             f"{self.batch_size_table!r})")
+        if self.batch_size_table is None:
+            return
+        for lo, hi, k in parse_batch_size_table(self.batch_size_table):
+            if k > self.num_speculative_tokens:
+                raise ValueError(f"invalid batch_size_table K={k} for batch sizes {lo}-{hi}: "
+                                 f"above num_speculative_tokens={self.num_speculative_tokens}")
+
+
+def parse_batch_size_table(table: dict) -> tuple[tuple[int, int, int], ...]:
+    """vLLM-style batch-size ranges to K, e.g. {"1-4": 4, "5-16": 2, "17-4096": 0}, as sorted
+    (first, last, K) triples.
+
+    Raises:
+        ValueError: an empty table or not a dict, a key that is not "N" or "N-M" with
+            1 <= N <= M, a K that is not an int >= 0, or overlapping ranges (naming them).
+    """
+    if not isinstance(table, dict) or not table:
+        raise ValueError(f"invalid batch_size_table={table!r}: must be a non-empty dict of "
+                         "'N-M' ranges to K")
+    rows = []
+    for key, k in table.items():
+        lo, sep, hi = str(key).partition("-")
+        try:
+            first, last = int(lo), int(hi if sep else lo)
+        except ValueError:
+            first = last = 0
+        if not 1 <= first <= last:
+            raise ValueError(f"invalid batch_size_table range {key!r}: must be 'N' or 'N-M' "
+                             "with 1 <= N <= M")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"invalid batch_size_table K={k!r} for {key!r}: must be an "
+                             "int >= 0")
+        rows.append((first, last, k))
+    rows.sort()
+    for (a_lo, a_hi, _), (b_lo, b_hi, _) in zip(rows, rows[1:]):
+        if b_lo <= a_hi:
+            raise ValueError(f"batch_size_table ranges {a_lo}-{a_hi} and {b_lo}-{b_hi} "
+                             "overlap")
+    return tuple(rows)
+
+
+def batch_size_table_k(rows: tuple[tuple[int, int, int], ...], batch_size: int) -> int:
+    """K of the range of `parse_batch_size_table` rows holding batch_size (0: none does)."""
+    return next((k for lo, hi, k in rows if lo <= batch_size <= hi), 0)
 
 
 @dataclass

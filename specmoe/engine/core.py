@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from specmoe.config import SchedulerConfig
+from specmoe.config import SchedulerConfig, batch_size_table_k
 from specmoe.engine.output_processor import OutputProcessor
 from specmoe.engine.scheduler import ScheduledRequest, Scheduler
 from specmoe.engine.stats import EngineStats
@@ -66,16 +66,21 @@ class EngineCore:
             without a proposer).
         disable_by_batch_size: no request drafts after a step that leaves at least this many
             requests running (None: no limit); see `SpeculativeConfig`.
+        batch_size_table: `config.parse_batch_size_table` rows: after each step, requests
+            draft at most the K of the range holding the number of running requests (None:
+            their own K).
     """
 
     def __init__(self, target: ModelRunner, proposer, processor: OutputProcessor,
                  scheduler_config: SchedulerConfig, num_kv_blocks: int,
-                 num_speculative_tokens: int, disable_by_batch_size: int | None = None) -> None:
+                 num_speculative_tokens: int, disable_by_batch_size: int | None = None,
+                 batch_size_table: tuple[tuple[int, int, int], ...] | None = None) -> None:
         self.target = target
         self.proposer = proposer
         self.processor = processor
         self.default_k = num_speculative_tokens if proposer is not None else 0
         self.disable_by_batch_size = disable_by_batch_size
+        self.batch_size_table = batch_size_table
         self.kv_cache = target.new_paged_cache(num_kv_blocks, scheduler_config.block_size)
         self.scheduler = Scheduler(scheduler_config, num_kv_blocks, target.max_model_len)
         self.stats = EngineStats()
@@ -154,10 +159,11 @@ class EngineCore:
             self.stats.spec.merge(req.spec_stats, times=False)
             req.metrics.decode_time_s = (time.perf_counter() - req.metrics.arrival_time
                                          - req.metrics.first_token_time_s)
-        if self._speculation_paused():
+        cap = self._draft_cap()
+        if cap == 0:
             self.stats.num_spec_paused_steps += 1
         else:
-            self._propose([req for req in reqs if not req.is_finished])
+            self._propose([req for req in reqs if not req.is_finished], cap)
         self.stats.record_step(out.stats)
         return finished + self._failed
 
@@ -248,18 +254,28 @@ class EngineCore:
             probs = probs[:s.num_draft_tokens]  # the scheduler may have cut drafts
         return VerifyRow(logits, drafts, probs, req.params, self._generators[s.request_id])
 
-    def _speculation_paused(self) -> bool:
-        """Whether the batch is large enough to skip drafting (`disable_by_batch_size`);
-        the draft model catches up on the skipped tokens when drafting resumes."""
+    def _draft_cap(self) -> int | None:
+        """The most tokens a request drafts for the next step, from the number of running
+        requests: 0 while speculation pauses (`disable_by_batch_size`, or K=0 in the
+        batch-size table), the table's K, or None (each request's own K). A paused draft
+        model catches up on the skipped tokens when drafting resumes."""
+        running = len(self.scheduler.running)
+        if self.proposer is None or not running:
+            return None
         limit = self.disable_by_batch_size
-        return (self.proposer is not None and limit is not None
-                and len(self.scheduler.running) >= limit)
+        if limit is not None and running >= limit:
+            return 0
+        if self.batch_size_table is not None:
+            return batch_size_table_k(self.batch_size_table, running)
+        return None
 
-    def _propose(self, reqs: list[Request]) -> None:
-        """Draft the next tokens of every request that speculates, in one batch."""
+    def _propose(self, reqs: list[Request], cap: int | None) -> None:
+        """Draft the next tokens of every request that speculates (at most `cap` each, None:
+        no cap), in one batch."""
         asks = []
         for req in reqs:
-            k = min(req.num_speculative_tokens,
+            k = min(req.num_speculative_tokens if cap is None else cap,
+                    req.num_speculative_tokens,
                     req.params.max_tokens - len(req.output_token_ids) - 1,
                     self.target.max_model_len - req.num_tokens - 1)
             if k > 0:

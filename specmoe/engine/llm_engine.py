@@ -11,7 +11,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from specmoe.config import EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from specmoe.config import (EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig,
+                            parse_batch_size_table)
 from specmoe.engine.core import EngineCore
 from specmoe.engine.output_processor import OutputProcessor
 from specmoe.engine.validation import RequestValidator
@@ -106,9 +107,11 @@ class LLM:
             speculative, self.target, self.tokenizer, self.config.model, num_blocks,
             sched.block_size)
         k = speculative.num_speculative_tokens if speculative else 0
+        table = speculative.batch_size_table if speculative else None
         self.engine = EngineCore(self.target, self.proposer, self.processor, sched,
                                  num_blocks, k, speculative.disable_by_batch_size
-                                 if speculative else None)
+                                 if speculative else None,
+                                 parse_batch_size_table(table) if table else None)
 
     @property
     def max_model_len(self) -> int:

@@ -51,8 +51,8 @@ class EngineStats:
             and verify_time_s are the engine's own wall-clock seconds spent drafting and in
             steps that verified drafts (each counted once, however many requests shared it).
         num_spec_paused_steps: steps after which drafting was skipped because at least
-            `disable_by_batch_size` requests were running (counted whether or not any of them
-            would have drafted).
+            `disable_by_batch_size` requests were running or the batch-size table gave K=0
+            (counted whether or not any of them would have drafted).
         last_step: the most recent step's counters.
     """
 

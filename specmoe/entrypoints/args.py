@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from specmoe.config import MOE_BACKEND_CHOICES
+from specmoe.config import MOE_BACKEND_CHOICES, SPECULATIVE_POLICIES
 from specmoe.loader.aliases import DEFAULT_MODEL
 
 
@@ -79,6 +79,26 @@ def add_spec_args(p: argparse.ArgumentParser, default_draft: str | None = None) 
                    help="pause speculation while at least this many requests run (large "
                         "batches are compute-bound; `specmoe bench throughput` shows where "
                         "speculation stops paying)")
+    p.add_argument("--speculative-policy", default="static", choices=SPECULATIVE_POLICIES,
+                   help="how each step's K is chosen: static (every request drafts K) or "
+                        "batch_size_table (K by the number of running requests, from "
+                        "--speculative-batch-size-table)")
+    p.add_argument("--speculative-batch-size-table", type=json_dict, default=None,
+                   help="JSON ranges of running requests to K, vLLM-style, e.g. "
+                        "'{\"1-4\": 4, \"5-16\": 2, \"17-4096\": 0}' (implies "
+                        "--speculative-policy batch_size_table)")
+
+
+def json_dict(text: str) -> dict:
+    """argparse type: a JSON object (ArgumentTypeError naming the text otherwise)."""
+    import json
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {text!r} ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+    return value
 
 
 def speculative_from_args(args) -> dict | None:
@@ -89,6 +109,9 @@ def speculative_from_args(args) -> dict | None:
             "prompt_lookup_max": args.prompt_lookup_max,
             "draft_quantization": args.draft_quantization,
             "disable_by_batch_size": args.speculative_disable_by_batch_size}
+    table = args.speculative_batch_size_table
+    spec["policy"] = "batch_size_table" if table is not None else args.speculative_policy
+    spec["batch_size_table"] = table
     if args.draft == "ngram":
         return {"method": "ngram", **spec}
     return {"method": "draft", "draft_model": args.draft, **spec}

@@ -123,6 +123,39 @@ def test_speculation_pauses_at_the_batch_size_limit_and_stays_lossless(request, 
     _assert_no_leak(llm)
 
 
+def test_batch_size_table_sets_k_by_running_requests_and_stays_lossless(draft, prompts, alone):
+    """{"1-2": 3, "3-5": 1, "6-16": 0}: after a step that leaves B requests running, the next
+    step drafts at most the K of B's range per request (none from 6 on), and requests that set
+    their own smaller K keep it."""
+    llm = draft.with_speculative(dataclasses.replace(
+        draft.config.speculative, policy="batch_size_table",
+        batch_size_table={"1-2": 3, "3-5": 1, "6-16": 0}))
+    core, trace, own_k = llm.engine, [], []  # (running after the step, next drafts per request)
+    step = core.step
+
+    def traced():
+        finished = step()
+        drafts = [len(r.spec_token_ids) for r in core.scheduler.running]
+        trace.append((len(core.scheduler.running), drafts))
+        own_k.extend(len(r.spec_token_ids) for r in core.scheduler.running
+                     if r.params.num_speculative_tokens == 2)
+        return finished
+
+    core.step = traced
+    params = [_greedy(i) for i in range(len(prompts))]
+    params[-1] = _greedy(len(prompts) - 1, num_speculative_tokens=2)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == alone
+    cap = {**dict.fromkeys(range(1, 3), 3), **dict.fromkeys(range(3, 6), 1)}
+    for running, drafts in trace:
+        assert all(d <= cap.get(running, 0) for d in drafts), (running, drafts)
+    assert any(running <= 2 and max(drafts, default=0) > 1 for running, drafts in trace)
+    assert any(running in (3, 4, 5) and max(drafts, default=0) == 1 for running, drafts in trace)
+    assert core.stats.num_spec_paused_steps == sum(running >= 6 for running, _ in trace)
+    assert own_k and max(own_k) <= 2
+    _assert_no_leak(llm)
+
+
 def test_preemption_keeps_outputs_and_leaks_nothing(smollm2, prompts, alone):
     """A cache of 40 blocks (640 tokens: the long prompt fits) cannot hold 16 requests: the
     newest are preempted, recomputed later, and still produce the same tokens."""
