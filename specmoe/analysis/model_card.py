@@ -214,13 +214,14 @@ def measure_card(cfg: CardConfig, progress=print) -> dict:
     draft = LLM(cfg.draft, dtype=cfg.dtype)
     runners = {"dense": dense.target, "carved": carved.target}
     progress("held-out perplexity")
-    card = {"config": {k: v for k, v in vars(cfg).items()},
+    card = {"config": dict(vars(cfg)),
             "carve": _carve_json(cfg.model),
             "held_out": held_out(cfg, runners, carved.tokenizer)}
     bench_cfg = SpecBenchConfig(datasets=cfg.datasets, num_prompts=cfg.num_prompts,
                                 spec_bench_categories=cfg.spec_bench_categories)
-    prompts = [p.token_ids for p in build_prompts(bench_cfg, carved)]
-    card["prompt_groups"] = [p.group for p in build_prompts(bench_cfg, carved)]
+    bench_prompts = build_prompts(bench_cfg, carved)
+    prompts = [p.token_ids for p in bench_prompts]
+    card["prompt_groups"] = [p.group for p in bench_prompts]
     sp = SamplingParams(temperature=0, max_tokens=cfg.max_tokens, ignore_eos=True)
     progress(f"greedy outputs of {len(prompts)} prompts, routing")
     outputs = {"dense": [o.token_ids for o in dense.generate(prompts, sp)]}
