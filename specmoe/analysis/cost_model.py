@@ -127,12 +127,13 @@ def _time_rows(pieces: list[torch.Tensor], rows: int, repeats: int = 2) -> float
 
 @dataclass(frozen=True)
 class ShapeCounts:
-    """Per-layer parameter counts of a model, read from its preset.
+    """Per-layer parameter counts of a model, read from its preset or architecture.
 
     Attributes:
         num_layers: L.
         attn_params: QKV + output projection weights per layer.
-        mlp_params: dense MLP weights per layer (0 for MoE).
+        mlp_params: the weights every token runs per layer besides attention: the dense MLP,
+            or an MoE layer's shared expert and its gate (0 for an MoE without one).
         expert_params: one routed expert's weights (0 for dense).
         router_params: router weights per layer (0 for dense).
         head_params: LM head weights.
@@ -163,18 +164,42 @@ class ShapeCounts:
                    preset.num_experts, preset.top_k, dtype_bytes)
 
 
+    @classmethod
+    def from_arch(cls, arch, dtype_bytes: int = 2) -> "ShapeCounts":
+        """From a loaded model's `ArchConfig` (every layer dense, or every layer MoE).
+
+        Raises:
+            ValueError: some layers MoE and others dense (the model sums identical layers).
+        """
+        h, kv = arch.hidden_size, arch.num_key_value_heads * arch.head_dim
+        head = arch.vocab_size * h
+        moe = arch.moe
+        if moe is None or not moe.moe_layers:
+            return cls(arch.num_hidden_layers, arch.attention_params,
+                       arch.gated_mlp_params(arch.intermediate_size), 0, 0, head,
+                       2 * kv * dtype_bytes, 0, 0, dtype_bytes)
+        if len(moe.moe_layers) != arch.num_hidden_layers:
+            raise ValueError(f"{len(moe.moe_layers)} of {arch.num_hidden_layers} layers are "
+                             "MoE: the cost model sums identical layers")
+        shared = moe.shared_expert_intermediate_size
+        shared_params = arch.gated_mlp_params(shared) + h if shared else 0
+        return cls(arch.num_hidden_layers, arch.attention_params, shared_params,
+                   arch.gated_mlp_params(moe.moe_intermediate_size), h * moe.num_experts,
+                   head, 2 * kv * dtype_bytes, moe.num_experts, moe.top_k, dtype_bytes)
+
+
 def features(shape: ShapeCounts, machine: MachineProfile, batch_size: int, num_tokens: int,
              context_len: int, unique_experts: float) -> np.ndarray:
     """The cost model's terms for one (B, T), in the order of FEATURES:
     [matmul seconds, KV-read seconds, 1, U L expert calls]."""
     rows, mm = batch_size * num_tokens, machine.matmul_seconds
     per_layer = mm(rows, shape.attn_params)
+    if shape.mlp_params:
+        per_layer += mm(rows, shape.mlp_params)
     if shape.num_experts:
         per_expert_rows = rows * shape.top_k / max(unique_experts, 1e-9)
         per_layer += mm(rows, shape.router_params)
         per_layer += unique_experts * mm(per_expert_rows, shape.expert_params)
-    else:
-        per_layer += mm(rows, shape.mlp_params)
     matmul = shape.num_layers * per_layer + mm(rows, shape.head_params)
     kv = shape.num_layers * batch_size * (context_len + num_tokens) \
         * shape.kv_bytes_per_token / machine.bandwidth
@@ -220,7 +245,8 @@ def amdahl_estimate(shape: ShapeCounts, t_one: float, unique_one: float,
         return t_one
     s = shape.dtype_bytes
     expert = shape.num_layers * unique_one * shape.expert_params * s
-    rest = (shape.num_layers * (shape.attn_params + shape.router_params) + shape.head_params) * s
+    rest = (shape.num_layers * (shape.attn_params + shape.mlp_params + shape.router_params)
+            + shape.head_params) * s
     rest += shape.num_layers * batch_size * (context_len + 1) * shape.kv_bytes_per_token
     f = expert / (expert + rest)
     return t_one * ((1.0 - f) + f * unique_t / unique_one)

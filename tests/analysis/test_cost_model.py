@@ -105,3 +105,35 @@ def test_linear_probe_packs_each_piece_once(monkeypatch):
     pieces = cm._weight_pieces(2 << 20, torch.bfloat16, "cpu", piece_bytes=1 << 20)
     cm._time_rows(pieces, rows=4, repeats=3)
     assert len(packs) <= len(pieces)  # once per piece (0 where the kernel does not run)
+
+
+def test_shared_expert_runs_for_every_row_beside_the_routed_ones():
+    shared = cm.ShapeCounts(**{**MOE.__dict__, "mlp_params": 300})
+    f = cm.features(shared, MACHINE, batch_size=2, num_tokens=1, context_len=10,
+                    unique_experts=3)
+    base = cm.features(MOE, MACHINE, batch_size=2, num_tokens=1, context_len=10,
+                       unique_experts=3)
+    assert f[0] - base[0] == pytest.approx(2 * 300 * 2 * 2e-9)  # L x (rows at B=2) x bytes
+    assert f[1:].tolist() == base[1:].tolist()
+    # the Amdahl estimate counts the shared expert among the bytes that do not grow with T
+    assert cm.amdahl_estimate(shared, 0.01, 2, 3, 1, 10) < cm.amdahl_estimate(MOE, 0.01, 2, 3,
+                                                                              1, 10)
+
+
+def test_shape_counts_of_a_loaded_architecture():
+    from specmoe.config import ArchConfig, MoEConfig
+    common = dict(architecture="Qwen2MoeForCausalLM", vocab_size=100, hidden_size=16,
+                  intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=4, rms_norm_eps=1e-6, rope_theta=1e4,
+                  max_position_embeddings=64)
+    moe = MoEConfig(num_experts=8, top_k=2, moe_intermediate_size=8, norm_topk_prob=True,
+                    shared_expert_intermediate_size=16, moe_layers=[0, 1])
+    s = cm.ShapeCounts.from_arch(ArchConfig(**common, moe=moe))
+    assert (s.num_experts, s.top_k, s.expert_params) == (8, 2, 3 * 16 * 8)
+    assert s.mlp_params == 3 * 16 * 16 + 16 and s.router_params == 16 * 8
+    assert s.head_params == 100 * 16 and s.kv_bytes_per_token == 2 * 2 * 4 * 2
+    dense = cm.ShapeCounts.from_arch(ArchConfig(**common))
+    assert dense.num_experts == 0 and dense.mlp_params == 3 * 16 * 64
+    half = MoEConfig(**{**moe.__dict__, "moe_layers": [1]})
+    with pytest.raises(ValueError, match="1 of 2 layers are MoE"):
+        cm.ShapeCounts.from_arch(ArchConfig(**common, moe=half))
