@@ -103,7 +103,8 @@ class ServerMetrics(NullEngineObserver):
         self.accepted_per_pos = c("spec_decode_num_accepted_tokens_per_pos",
                                   "Draft tokens accepted at each draft position.", ["position"])
         self.paused_steps = c("spec_decode_num_paused_steps", "Steps after which no request "
-                              "drafted: at least disable_by_batch_size requests running.")
+                              "drafted: at least disable_by_batch_size requests running, "
+                              "or K=0 in the batch-size table.")
         self.step_failures = c("engine_step_failures", "Engine steps that raised.")
         self.http_responses = Counter(P + "http_responses",
                                       "HTTP responses of /v1 routes by status code.",
