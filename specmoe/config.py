@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 SPECULATIVE_METHODS = ("ngram", "draft")
-SPECULATIVE_POLICIES = ("static", "batch_size_table")
+SPECULATIVE_POLICIES = ("static", "batch_size_table", "adaptive")
 QUANTIZATION_METHODS = ("int8", "int4")
 # How routed experts run (`specmoe.layers.moe.backends`): "auto" picks per device and kernels.
 MOE_BACKEND_CHOICES = ("auto", "fused", "grouped", "grouped_mm", "reference")
@@ -188,8 +188,11 @@ class SpeculativeConfig:
         draft_quantization: None, "int8" or "int4" for the draft model's weights (a draft
             reads all its weights for every token it drafts, so fewer bytes pay directly).
         policy: how each step's K is chosen: "static" (every request drafts its own K, or
-            num_speculative_tokens) or "batch_size_table" (the K of the range holding the
-            number of running requests, capped by each request's own K).
+            num_speculative_tokens), "batch_size_table" (the K of the range holding the
+            number of running requests, capped by each request's own K) or "adaptive" (per
+            request and step, the K that maximises the batch's expected tokens per second
+            from measured acceptance and step times, `spec_decode.adaptive`; at most the
+            request's own K).
         batch_size_table: for policy "batch_size_table", ranges of running requests to K,
             with vLLM's keys, e.g. {"1-4": 4, "5-16": 2, "17-4096": 0} ("8": the range 8-8);
             a batch size in no range does not speculate; no K above num_speculative_tokens.

@@ -27,6 +27,7 @@ from specmoe.engine.verification import VerifyResult, VerifyRow, verify_rows
 from specmoe.outputs import TokenLogprob
 from specmoe.request import Request
 from specmoe.sample.ops import compute_logprobs
+from specmoe.spec_decode.adaptive import AdaptivePolicy
 from specmoe.spec_decode.proposer import ProposeRequest
 from specmoe.utils.threads import make_thread_governor
 from specmoe.worker.model_runner import ModelRunner, SequenceInput
@@ -69,18 +70,21 @@ class EngineCore:
         batch_size_table: `config.parse_batch_size_table` rows: after each step, requests
             draft at most the K of the range holding the number of running requests (None:
             their own K).
+        policy: an `AdaptivePolicy` choosing each request's K per step (None: their own K).
     """
 
     def __init__(self, target: ModelRunner, proposer, processor: OutputProcessor,
                  scheduler_config: SchedulerConfig, num_kv_blocks: int,
                  num_speculative_tokens: int, disable_by_batch_size: int | None = None,
-                 batch_size_table: tuple[tuple[int, int, int], ...] | None = None) -> None:
+                 batch_size_table: tuple[tuple[int, int, int], ...] | None = None,
+                 policy: AdaptivePolicy | None = None) -> None:
         self.target = target
         self.proposer = proposer
         self.processor = processor
         self.default_k = num_speculative_tokens if proposer is not None else 0
         self.disable_by_batch_size = disable_by_batch_size
         self.batch_size_table = batch_size_table
+        self.policy = policy if proposer is not None else None
         self.kv_cache = target.new_paged_cache(num_kv_blocks, scheduler_config.block_size)
         self.scheduler = Scheduler(scheduler_config, num_kv_blocks, target.max_model_len)
         self.stats = EngineStats()
@@ -147,6 +151,7 @@ class EngineCore:
             sampled, reqs, [logits[s.request_id] for s in sampled])
         self.step_observer.on_step_verified(out.scheduled, self.scheduler.requests, num_accepted)
         verify_time = time.perf_counter() - t0
+        self._observe_policy(sampled, num_accepted, out.stats.num_scheduled_tokens, verify_time)
         verified = [req for s, req in zip(sampled, reqs) if s.num_draft_tokens]
         for req in verified:
             req.spec_stats.verify_time_s += verify_time
@@ -159,11 +164,16 @@ class EngineCore:
             self.stats.spec.merge(req.spec_stats, times=False)
             req.metrics.decode_time_s = (time.perf_counter() - req.metrics.arrival_time
                                          - req.metrics.first_token_time_s)
-        cap = self._draft_cap()
-        if cap == 0:
+        live = [req for req in reqs if not req.is_finished]
+        limits = self._draft_limits(live)
+        if limits is not None and not any(limits.values()) and (live or self._draft_cap() == 0):
             self.stats.num_spec_paused_steps += 1
-        else:
-            self._propose([req for req in reqs if not req.is_finished], cap)
+        if self.proposer is not None:
+            self.stats.record_draft_ks(
+                self._own_k(r) if limits is None else min(self._own_k(r), limits[r.request_id])
+                for r in live)
+        if limits is None or any(limits.values()):
+            self._propose(live, limits)
         self.stats.record_step(out.stats)
         return finished + self._failed
 
@@ -269,15 +279,42 @@ class EngineCore:
             return batch_size_table_k(self.batch_size_table, running)
         return None
 
-    def _propose(self, reqs: list[Request], cap: int | None) -> None:
-        """Draft the next tokens of every request that speculates (at most `cap` each, None:
-        no cap), in one batch."""
+    def _draft_limits(self, live: list[Request]) -> dict[str, int] | None:
+        """Per request that may draft for the next step, the most tokens it drafts (None:
+        each its own K): the pause or table cap, else the adaptive policy's choice."""
+        cap = self._draft_cap()
+        if cap is not None:
+            return {req.request_id: cap for req in live}
+        if self.policy is None or not live:
+            return None
+        return self.policy.choose([req.request_id for req in live],
+                                  [self._own_k(req) for req in live], len(live))
+
+    def _observe_policy(self, sampled: list[ScheduledRequest], num_accepted: dict[str, int],
+                        rows: int, seconds: float) -> None:
+        if self.policy is None:
+            return
+        for s in sampled:
+            if s.num_draft_tokens and s.request_id in num_accepted:
+                self.policy.observe_verified(s.request_id, s.num_draft_tokens,
+                                             num_accepted[s.request_id])
+        error = self.policy.observe_step(rows, seconds)
+        if error is not None:
+            self.stats.step_time_errors.append(error)
+
+    def _own_k(self, req: Request) -> int:
+        """The most tokens `req` may draft next: its K, within max_tokens and the context."""
+        return max(0, min(req.num_speculative_tokens,
+                          req.params.max_tokens - len(req.output_token_ids) - 1,
+                          self.target.max_model_len - req.num_tokens - 1))
+
+    def _propose(self, reqs: list[Request], limits: dict[str, int] | None) -> None:
+        """Draft the next tokens of every request that speculates (at most its `limits`
+        entry each, None: its own K), in one batch."""
         asks = []
         for req in reqs:
-            k = min(req.num_speculative_tokens if cap is None else cap,
-                    req.num_speculative_tokens,
-                    req.params.max_tokens - len(req.output_token_ids) - 1,
-                    self.target.max_model_len - req.num_tokens - 1)
+            own = self._own_k(req)
+            k = own if limits is None else min(own, limits[req.request_id])
             if k > 0:
                 asks.append((req, ProposeRequest(req.request_id, req.all_token_ids, k,
                                                  req.params, self._generators[req.request_id])))
@@ -289,6 +326,8 @@ class EngineCore:
                                  [ask for _, ask in asks])
         draft_time = time.perf_counter() - t0
         self.stats.spec.draft_time_s += draft_time
+        if self.policy is not None:
+            self.policy.observe_draft(max(ask.num_tokens for _, ask in asks), draft_time)
         for (req, _), proposal in zip(asks, proposals):
             if isinstance(proposal, Exception):
                 self._fail(req, proposal)
@@ -304,6 +343,8 @@ class EngineCore:
 
     def _forget(self, request_id: str) -> None:
         self._drop_drafts(request_id)
+        if self.policy is not None:
+            self.policy.forget(request_id)
         self._generators.pop(request_id, None)
 
 

@@ -21,6 +21,7 @@ from specmoe.loader.model_loader import load_model, resolve_dtype
 from specmoe.outputs import RequestOutput
 from specmoe.request import Request
 from specmoe.sampling_params import SamplingParams
+from specmoe.spec_decode.adaptive import AdaptivePolicy, AdaptiveSettings
 from specmoe.spec_decode.factory import build_proposer
 from specmoe.worker.kv_cache import PagedKVCache
 from specmoe.worker.model_runner import ModelRunner
@@ -111,7 +112,8 @@ class LLM:
         self.engine = EngineCore(self.target, self.proposer, self.processor, sched,
                                  num_blocks, k, speculative.disable_by_batch_size
                                  if speculative else None,
-                                 parse_batch_size_table(table) if table else None)
+                                 parse_batch_size_table(table) if table else None,
+                                 _adaptive_policy(speculative))
 
     @property
     def max_model_len(self) -> int:
@@ -216,6 +218,12 @@ class LLM:
     def _generator_for(self, params: SamplingParams) -> torch.Generator:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         return torch.Generator(self.target.device).manual_seed(seed)
+
+
+def _adaptive_policy(speculative: SpeculativeConfig | None) -> AdaptivePolicy | None:
+    if speculative is None or speculative.policy != "adaptive":
+        return None
+    return AdaptivePolicy(AdaptiveSettings(max_k=speculative.num_speculative_tokens))
 
 
 def _num_kv_blocks(cfg: SchedulerConfig, target: ModelRunner) -> int:

@@ -53,6 +53,10 @@ class EngineStats:
         num_spec_paused_steps: steps after which drafting was skipped because at least
             `disable_by_batch_size` requests were running or the batch-size table gave K=0
             (counted whether or not any of them would have drafted).
+        draft_k_histogram: K -> (request, step) pairs in which a speculating request was
+            allowed K drafts (K = 0 included: paused or chosen off).
+        step_time_errors: relative errors |predicted - measured| / measured of the adaptive
+            policy's predicted forward times (`spec_decode.adaptive`), one per predicted step.
         last_step: the most recent step's counters.
     """
 
@@ -65,7 +69,13 @@ class EngineStats:
     num_generation_tokens: int = 0
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     num_spec_paused_steps: int = 0
+    draft_k_histogram: dict[int, int] = field(default_factory=dict)
+    step_time_errors: list[float] = field(default_factory=list)
     last_step: StepStats | None = None
+
+    def record_draft_ks(self, ks) -> None:
+        for k in ks:
+            self.draft_k_histogram[k] = self.draft_k_histogram.get(k, 0) + 1
 
     def record_step(self, step: StepStats) -> None:
         """Add one step's counters."""
@@ -92,8 +102,18 @@ class EngineStats:
             "num_generation_tokens": self.num_generation_tokens,
             "spec_decode": self.spec.to_dict(),
             "num_spec_paused_steps": self.num_spec_paused_steps,
+            "draft_k_histogram": dict(sorted(self.draft_k_histogram.items())),
+            "step_time_prediction_median_error": _median(self.step_time_errors),
             "last_step": asdict(self.last_step) if self.last_step else None,
         }
         if prefix_cache_hit_rate is not None:
             out["prefix_cache_hit_rate"] = prefix_cache_hit_rate
         return out
+
+
+def _median(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2

@@ -80,9 +80,10 @@ def add_spec_args(p: argparse.ArgumentParser, default_draft: str | None = None) 
                         "batches are compute-bound; `specmoe bench throughput` shows where "
                         "speculation stops paying)")
     p.add_argument("--speculative-policy", default="static", choices=SPECULATIVE_POLICIES,
-                   help="how each step's K is chosen: static (every request drafts K) or "
+                   help="how each step's K is chosen: static (every request drafts K), "
                         "batch_size_table (K by the number of running requests, from "
-                        "--speculative-batch-size-table)")
+                        "--speculative-batch-size-table) or adaptive (per request and step, "
+                        "from measured acceptance and step times; at most K)")
     p.add_argument("--speculative-batch-size-table", type=json_dict, default=None,
                    help="JSON ranges of running requests to K, vLLM-style, e.g. "
                         "'{\"1-4\": 4, \"5-16\": 2, \"17-4096\": 0}' (implies "

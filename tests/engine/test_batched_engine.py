@@ -156,6 +156,35 @@ def test_batch_size_table_sets_k_by_running_requests_and_stays_lossless(draft, p
     _assert_no_leak(llm)
 
 
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_adaptive_policy_is_lossless_and_reports_its_choices(request, proposer, prompts, alone):
+    """policy="adaptive": outputs equal the plain ones, no request drafts past its own K, the
+    K histogram counts every (request, step) that could draft, and once the step-time model
+    is calibrated every step's prediction error is recorded."""
+    base = request.getfixturevalue(proposer)
+    llm = base.with_speculative(dataclasses.replace(base.config.speculative, policy="adaptive"))
+    core, own_k, k_max = llm.engine, [], llm.config.speculative.num_speculative_tokens
+    step = core.step
+
+    def traced():
+        finished = step()
+        own_k.extend(len(r.spec_token_ids) for r in core.scheduler.running
+                      if r.params.num_speculative_tokens == 1)
+        return finished
+
+    core.step = traced
+    params = [_greedy(i) for i in range(len(prompts))]
+    params[0] = _greedy(0, num_speculative_tokens=1)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == alone
+    stats = core.stats.to_dict()
+    hist = stats["draft_k_histogram"]
+    assert hist and set(hist) <= set(range(k_max + 1))
+    assert max(own_k, default=0) <= 1
+    assert core.stats.step_time_errors and stats["step_time_prediction_median_error"] >= 0
+    _assert_no_leak(llm)
+
+
 def test_preemption_keeps_outputs_and_leaks_nothing(smollm2, prompts, alone):
     """A cache of 40 blocks (640 tokens: the long prompt fits) cannot hold 16 requests: the
     newest are preempted, recomputed later, and still produce the same tokens."""

@@ -1,0 +1,92 @@
+"""The adaptive speculation policy (issue 26) on synthetic acceptance and step costs: high
+acceptance on a memory-bound machine drafts deep, low acceptance or a compute-bound batch
+drafts nothing, hysteresis holds a choice against small changes, requests held at K = 0 are
+re-probed, and the acceptance estimate starts at the engine's rate and moves to the request's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specmoe.spec_decode.adaptive import (AcceptanceTracker, AdaptivePolicy, AdaptiveSettings,
+                                          StepTimeModel, choose_ks, predicted_rate)
+
+
+def _gains(rate: float, b: int, max_k: int = 8) -> np.ndarray:
+    return np.tile(np.cumprod(np.full(max_k, rate)), (b, 1))
+
+
+def test_memory_bound_and_high_acceptance_drafts_deep():
+    # a step costs 10 ms whatever its rows (memory-bound), drafting 1 ms per depth
+    ks, rate = choose_ks(_gains(0.9, 2), np.array([8, 8]), 0.010, 0.0, 0.001)
+    assert ks.tolist() == [8, 8]
+    assert rate == pytest.approx(predicted_rate(ks, _gains(0.9, 2), 0.010, 0.0, 0.001))
+    assert rate > 2 / 0.010  # better than no speculation
+
+
+def test_low_acceptance_or_compute_bound_drafts_nothing():
+    ks, rate = choose_ks(_gains(0.05, 4), np.full(4, 8), 0.010, 0.0, 0.002)
+    assert ks.tolist() == [0, 0, 0, 0] and rate == pytest.approx(4 / 0.010)
+    # compute-bound: every row costs as much as a whole token's worth of time
+    ks, _ = choose_ks(_gains(0.8, 32), np.full(32, 8), 0.0, 0.001, 0.0)
+    assert ks.sum() == 0
+
+
+def test_medium_case_takes_the_best_drafts_first_and_respects_caps():
+    gains = np.stack([np.cumprod(np.full(8, 0.95)), np.cumprod(np.full(8, 0.3))])
+    ks, _ = choose_ks(gains, np.array([3, 8]), 0.010, 0.0005, 0.0)
+    assert ks[0] == 3  # capped by its own K
+    assert ks[1] < ks[0]
+    # exhaustive check that no other K vector of these caps is faster
+    best = max(predicted_rate(np.array([a, b]), gains, 0.010, 0.0005, 0.0)
+               for a in range(4) for b in range(9))
+    assert predicted_rate(ks, gains, 0.010, 0.0005, 0.0) == pytest.approx(best)
+
+
+def test_acceptance_starts_at_the_engine_rate_and_moves_to_the_request():
+    t = AcceptanceTracker(max_k=4, prior_strength=4.0)
+    for _ in range(50):
+        t.observe("good", 4, 4)      # every draft accepted
+    fresh = t.rates("new")
+    assert fresh[0] == pytest.approx(51 / 52)
+    for _ in range(50):
+        t.observe("bad", 4, 0)       # the first draft rejected: position 0 reached only
+    assert t.rates("bad")[0] < 0.1
+    assert t.rates("bad")[1] == pytest.approx(t.rates("new")[1])  # never reached: the prior
+    assert np.all(np.diff(t.gains("good")) <= 0)
+    t.forget("bad")
+    assert t.rates("bad")[0] == pytest.approx(t.rates("new")[0])
+
+
+def test_step_time_model_fits_rows_from_timings():
+    m = StepTimeModel(window=64, min_steps=8)
+    assert m.predict(10) is None
+    for rows in [1, 2, 4, 8, 16, 32, 64, 128]:
+        m.observe(rows, 0.01 + 0.0002 * rows)
+    assert m.predict(10) == pytest.approx(0.012, rel=1e-3)
+
+
+def _calibrated(policy: AdaptivePolicy, c0: float, c1: float) -> None:
+    for rows in [1, 2, 4, 8, 16, 32, 64, 128]:
+        policy.observe_step(rows, c0 + c1 * rows)
+
+
+def test_policy_uses_own_k_until_calibrated_then_chooses_and_holds():
+    p = AdaptivePolicy(AdaptiveSettings(max_k=4, hysteresis=0.05, probe_every=1000))
+    assert p.choose(["a", "b"], [4, 2], 2) == {"a": 4, "b": 2}
+    _calibrated(p, 0.010, 0.0)
+    for _ in range(20):
+        p.observe_verified("a", 4, 4)
+    assert p.choose(["a"], [4], 1) == {"a": 4}
+    assert p.predicted_step_s == pytest.approx(0.010)
+    assert p.observe_step(5, 0.011) == pytest.approx(1 / 11)
+    # a small change of the estimate does not flip the choice (hysteresis) ...
+    p.observe_verified("a", 4, 3)
+    assert p.choose(["a"], [4], 1) == {"a": 4}
+
+
+def test_requests_held_at_zero_are_reprobed():
+    p = AdaptivePolicy(AdaptiveSettings(max_k=4, probe_every=3))
+    _calibrated(p, 0.0, 0.001)  # compute-bound: speculation never pays
+    chosen = [p.choose(["a"], [4], 1)["a"] for _ in range(9)]
+    assert chosen == [0, 0, 1, 0, 0, 1, 0, 0, 1]
