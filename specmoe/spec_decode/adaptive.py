@@ -8,15 +8,18 @@ second.
   drafts. The j-th draft adds prod_{i<=j} a_i expected tokens, so K drafts give
   1 + sum_{j<K} prod_{i<=j} a_i (Leviathan et al. 2023, arXiv 2211.17192, eq. 1, with
   position-dependent rates).
-- Step time: the target forward's seconds as c0 + c1 x rows (the tokens it computes), fitted
-  online by non-negative least squares on the recent steps' timings, so a memory-bound
-  machine (c1 small) and a compute-bound batch (c1 x rows dominant) are told apart by
-  measurement; drafting as d x depth (the deepest request's K: a draft model runs the batch
-  that many times), d an average of the measured drafting seconds per depth.
-- Choice: with a step time linear in rows, the best drafts of a given depth D are a prefix of
-  all (request, position) drafts sorted by expected tokens (each request's are
-  non-increasing in position), and the best prefix maximises tokens / seconds; each
-  D = 0..K_max is tried, and the best kept.
+- Step time: the target forward's seconds as a convex, increasing, piecewise-linear function
+  of its rows (the tokens it computes): c0 + c1 r + sum_j c_j max(0, r - knot_j), all c >= 0,
+  fitted online by non-negative least squares (relative error) on the recent steps' timings.
+  Few rows cost little more than one (the weights are read once: memory-bound), many rows
+  cost in proportion (compute-bound); the hinges let prefill chunks calibrate the second
+  regime without making a few draft rows look expensive. Drafting costs d x depth (the
+  deepest request's K: a draft model runs the batch that many times), d the measured
+  drafting seconds per depth, averaged.
+- Choice: for a given draft depth D and number n of drafts, the best drafts are the n with
+  the most expected tokens (each request's are non-increasing in position, so they are a
+  prefix of each request's); the best n maximises tokens / seconds. Each D = 0..K_max is
+  tried, and the best kept.
 - Hysteresis: the previous step's Ks stay unless the new choice is predicted `hysteresis`
   faster. Re-probing: a request held at K = 0 drafts one token every `probe_every` steps, so
   its acceptance estimate stays current and speculation returns where it would pay.
@@ -82,13 +85,22 @@ class AcceptanceTracker:
         self._requests.pop(request_id, None)
 
 
+KNOTS = (8, 32, 128)  # rows where the step time's slope may grow
+
+
+def _row_features(rows) -> np.ndarray:
+    r = np.asarray(rows, dtype=float)
+    return np.stack([np.ones_like(r), r, *(np.maximum(r - k, 0.0) for k in KNOTS)], axis=-1)
+
+
 class StepTimeModel:
-    """Target forward seconds = c0 + c1 x rows, non-negative least squares on a window."""
+    """Target forward seconds as a convex increasing piecewise-linear function of rows (module
+    docstring), non-negative least squares on a window of steps."""
 
     def __init__(self, window: int, min_steps: int) -> None:
         self._steps: deque[tuple[int, float]] = deque(maxlen=window)
         self.min_steps = min_steps
-        self.coef: tuple[float, float] | None = None
+        self.coef: np.ndarray | None = None
 
     def observe(self, rows: int, seconds: float) -> None:
         self._steps.append((rows, seconds))
@@ -99,34 +111,35 @@ class StepTimeModel:
         from scipy.optimize import nnls
         rows, secs = np.array(self._steps, dtype=float).T
         # relative error: a long prefill step must not outweigh a hundred decode steps
-        a = np.stack([np.ones_like(rows), rows], axis=1) / secs[:, None]
-        coef, _ = nnls(a, np.ones_like(secs))
-        self.coef = (float(coef[0]), float(coef[1]))
+        self.coef, _ = nnls(_row_features(rows) / secs[:, None], np.ones_like(secs))
 
-    def predict(self, rows: float) -> float | None:
-        return None if self.coef is None else self.coef[0] + self.coef[1] * rows
+    def predict(self, rows):
+        """Seconds at `rows` (a number or an array); None before the first fit."""
+        return None if self.coef is None else _row_features(rows) @ self.coef
 
 
-def choose_ks(gains: np.ndarray, caps: np.ndarray, c0: float, c1: float,
-              draft_s: float) -> tuple[np.ndarray, float]:
+def choose_ks(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float
+              ) -> tuple[np.ndarray, float]:
     """The K per request that maximises expected tokens per second (module docstring).
 
     Args:
         gains: [B, max_k] expected tokens of each request's j-th draft, non-increasing in j.
         caps: [B] int, each request's largest K.
-        c0, c1: step seconds = c0 + c1 x rows; draft_s: drafting seconds per depth.
+        step_s: the target step's seconds as a function of its draft count (an array of
+            counts -> an array of seconds), non-decreasing.
+        draft_s: drafting seconds per depth.
     Returns:
         (ks [B] int64, the predicted tokens per second).
     """
     b, max_k = gains.shape
-    best_ks, best_rate = np.zeros(b, dtype=np.int64), b / (c0 + c1 * b)
+    best_ks, best_rate = np.zeros(b, dtype=np.int64), b / float(step_s(np.zeros(1))[0])
     for depth in range(1, min(max_k, int(caps.max(initial=0))) + 1):
         g = np.where(np.arange(depth)[None, :] < caps[:, None], gains[:, :depth], -np.inf)
         order = np.argsort(-g, axis=None, kind="stable")
         vals = g.reshape(-1)[order]
         vals = vals[np.isfinite(vals)]
         tokens = b + np.concatenate([[0.0], np.cumsum(vals)])
-        seconds = c0 + c1 * (b + np.arange(vals.size + 1)) + draft_s * depth
+        seconds = step_s(np.arange(vals.size + 1)) + draft_s * depth
         n = int(np.argmax(tokens / seconds))
         rate = tokens[n] / seconds[n]
         if n and rate > best_rate:
@@ -135,11 +148,11 @@ def choose_ks(gains: np.ndarray, caps: np.ndarray, c0: float, c1: float,
     return best_ks, float(best_rate)
 
 
-def predicted_rate(ks: np.ndarray, gains: np.ndarray, c0: float, c1: float,
-                   draft_s: float) -> float:
-    """Expected tokens per second of the batch at `ks`."""
+def predicted_rate(ks: np.ndarray, gains: np.ndarray, step_s, draft_s: float) -> float:
+    """Expected tokens per second of the batch at `ks` (`choose_ks`'s arguments)."""
     tokens = len(ks) + sum(float(g[:k].sum()) for g, k in zip(gains, ks))
-    return tokens / (c0 + c1 * (len(ks) + int(ks.sum())) + draft_s * int(ks.max(initial=0)))
+    seconds = float(step_s(np.array([int(ks.sum())]))[0]) + draft_s * int(ks.max(initial=0))
+    return tokens / seconds
 
 
 class AdaptivePolicy:
@@ -184,16 +197,17 @@ class AdaptivePolicy:
         caps_a = np.minimum(np.asarray(caps, dtype=np.int64), self.s.max_k)
         if self.step_time.coef is None:  # not calibrated yet: the requests' own K
             return dict(zip(request_ids, caps_a.tolist()))
-        c0, c1 = self.step_time.coef
-        c0 += c1 * (base_rows - len(request_ids))  # rows of prompt chunks beside decoding
+        def step_s(drafts: np.ndarray) -> np.ndarray:
+            return self.step_time.predict(base_rows + drafts)
+
         gains = np.stack([self.acceptance.gains(r) for r in request_ids])
-        ks, rate = choose_ks(gains, caps_a, c0, c1, self.draft_s)
+        ks, rate = choose_ks(gains, caps_a, step_s, self.draft_s)
         prev = np.array([min(self._previous.get(r, k), c) for r, k, c
                          in zip(request_ids, ks, caps_a)], dtype=np.int64)
-        if rate <= predicted_rate(prev, gains, c0, c1, self.draft_s) * (1 + self.s.hysteresis):
+        if rate <= predicted_rate(prev, gains, step_s, self.draft_s) * (1 + self.s.hysteresis):
             ks = prev
         ks = self._probe(request_ids, ks, caps_a)
-        self.predicted_step_s = c0 + c1 * (len(ks) + int(ks.sum()))
+        self.predicted_step_s = float(step_s(np.array([int(ks.sum())]))[0])
         self._previous = dict(zip(request_ids, ks.tolist()))
         return dict(self._previous)
 
