@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import asdict, dataclass, field
 
 from specmoe.outputs import SpecDecodeStats
+
+
+STEP_ERRORS_KEPT = 4096
 
 
 @dataclass(slots=True)
@@ -56,7 +60,8 @@ class EngineStats:
         draft_k_histogram: K -> (request, step) pairs in which a speculating request was
             allowed K drafts (K = 0 included: paused or chosen off).
         step_time_errors: relative errors |predicted - measured| / measured of the adaptive
-            policy's predicted forward times (`spec_decode.adaptive`), one per predicted step.
+            policy's predicted forward times (`spec_decode.adaptive`), of the last
+            STEP_ERRORS_KEPT predicted steps (a server runs for days).
         last_step: the most recent step's counters.
     """
 
@@ -70,7 +75,8 @@ class EngineStats:
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     num_spec_paused_steps: int = 0
     draft_k_histogram: dict[int, int] = field(default_factory=dict)
-    step_time_errors: list[float] = field(default_factory=list)
+    step_time_errors: deque[float] = field(
+        default_factory=lambda: deque(maxlen=STEP_ERRORS_KEPT))
     last_step: StepStats | None = None
 
     def record_draft_ks(self, ks) -> None:
@@ -111,7 +117,7 @@ class EngineStats:
         return out
 
 
-def _median(values: list[float]) -> float | None:
+def _median(values) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
