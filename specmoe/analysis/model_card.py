@@ -275,5 +275,6 @@ def _check(cfg: CardConfig, llm, prompts, plain: list[list[int]]) -> dict:
 
 
 def _carve_json(model: str) -> dict | None:
-    path = Path(model) / "carve.json"
+    from specmoe.loader.aliases import resolve_model_path
+    path = resolve_model_path(model) / "carve.json"
     return json.loads(path.read_text()) if path.is_file() else None

@@ -74,6 +74,8 @@ def test_card_of_a_trained_carve(trained, tmp_path):
                      check_k=2, eval_windows=1, window=64)
     card = measure_card(cfg, progress=lambda _: None)
     assert card["carve"]["settings"]["num_experts"] == 12
+    from specmoe.analysis.model_card import _carve_json
+    assert _carve_json(DRAFT) is None  # an alias of a model that was not carved
     held = card["held_out"]
     assert held["all"]["tokens"] == sum(q["tokens"] for k, q in held.items() if k != "all")
     for q in held.values():
