@@ -163,7 +163,6 @@ class ShapeCounts:
                    h * preset.num_experts, a.vocab_size * h, 2 * kv * dtype_bytes,
                    preset.num_experts, preset.top_k, dtype_bytes)
 
-
     @classmethod
     def from_arch(cls, arch, dtype_bytes: int = 2) -> "ShapeCounts":
         """From a loaded model's `ArchConfig` (every layer dense, or every layer MoE).

@@ -241,7 +241,7 @@ def measure_card(cfg: CardConfig, progress=print) -> dict:
                           for t in ("carved", "dense")}
     if cfg.check_k:
         progress(f"speculative runs at K={cfg.check_k}")
-        card["check"] = {t: _check(cfg, llm, prompts, outputs[t])
+        card["check"] = {t: _check(cfg, llm, prompts, sp, outputs[t])
                          for t, llm in (("carved", carved), ("dense", dense))}
     card["seconds"] = time.perf_counter() - t0
     return card
@@ -255,11 +255,11 @@ def _acceptance(cfg: CardConfig, draft_runner, prompts, outputs) -> dict:
             "ngram": acceptance_curve(ngram, lengths, cfg.max_k)}
 
 
-def _check(cfg: CardConfig, llm, prompts, plain: list[list[int]]) -> dict:
-    """Real greedy speculative runs at check_k: lossless against the plain outputs, and
-    their measured 1 + accepted / drafts."""
+def _check(cfg: CardConfig, llm, prompts, sp: SamplingParams, plain: list[list[int]]
+           ) -> dict:
+    """Real greedy speculative runs (`sp`) at check_k: lossless against the plain outputs,
+    and their measured 1 + accepted / drafts."""
     out = {}
-    sp = SamplingParams(temperature=0, max_tokens=cfg.max_tokens, ignore_eos=True)
     for method, extra in (("draft", {"draft_model": cfg.draft}),
                           ("ngram", {"prompt_lookup_min": cfg.prompt_lookup[0],
                                      "prompt_lookup_max": cfg.prompt_lookup[1]})):

@@ -1,5 +1,6 @@
 """Which FFN neurons form which expert: a shared expert of the massive-activation neurons and
-the neurons active most often, routed experts of equal width by balanced clustering of the rest on co-activation.
+the neurons active most often, routed experts of equal width by balanced clustering of the
+rest on co-activation.
 
 A neuron i of a SwiGLU FFN adds act_i(x) * W_down[:, i] to the output, so its weight in a
 token's output is e_i = |act_i| * ||W_down[:, i]||. Each token marks its `active_fraction`

@@ -165,15 +165,14 @@ class EngineCore:
             req.metrics.decode_time_s = (time.perf_counter() - req.metrics.arrival_time
                                          - req.metrics.first_token_time_s)
         live = [req for req in reqs if not req.is_finished]
-        limits = self._draft_limits(live)
-        if limits is not None and not any(limits.values()) and (live or self._draft_cap() == 0):
+        cap = self._draft_cap()
+        ks = self._draft_ks(live, cap)
+        if cap == 0 or (live and self.policy is not None and not any(ks.values())):
             self.stats.num_spec_paused_steps += 1
         if self.proposer is not None:
-            self.stats.record_draft_ks(
-                self._own_k(r) if limits is None else min(self._own_k(r), limits[r.request_id])
-                for r in live)
-        if limits is None or any(limits.values()):
-            self._propose(live, limits)
+            self.stats.record_draft_ks(ks.values())
+        if any(ks.values()):
+            self._propose(live, ks)
         self.stats.record_step(out.stats)
         return finished + self._failed
 
@@ -279,16 +278,15 @@ class EngineCore:
             return batch_size_table_k(self.batch_size_table, running)
         return None
 
-    def _draft_limits(self, live: list[Request]) -> dict[str, int] | None:
-        """Per request that may draft for the next step, the most tokens it drafts (None:
-        each its own K): the pause or table cap, else the adaptive policy's choice."""
-        cap = self._draft_cap()
+    def _draft_ks(self, live: list[Request], cap: int | None) -> dict[str, int]:
+        """Per request that may draft for the next step, how many tokens it drafts: its own
+        K (`_own_k`) within the pause or table `cap`, else the adaptive policy's choice."""
+        own = {req.request_id: self._own_k(req) for req in live}
         if cap is not None:
-            return {req.request_id: cap for req in live}
+            return {rid: min(k, cap) for rid, k in own.items()}
         if self.policy is None or not live:
-            return None
-        return self.policy.choose([req.request_id for req in live],
-                                  [self._own_k(req) for req in live], len(live))
+            return own
+        return self.policy.choose(list(own), list(own.values()), len(live))
 
     def _observe_policy(self, sampled: list[ScheduledRequest], num_accepted: dict[str, int],
                         rows: int, seconds: float) -> None:
@@ -308,13 +306,12 @@ class EngineCore:
                           req.params.max_tokens - len(req.output_token_ids) - 1,
                           self.target.max_model_len - req.num_tokens - 1))
 
-    def _propose(self, reqs: list[Request], limits: dict[str, int] | None) -> None:
-        """Draft the next tokens of every request that speculates (at most its `limits`
-        entry each, None: its own K), in one batch."""
+    def _propose(self, reqs: list[Request], ks: dict[str, int]) -> None:
+        """Draft `ks[request_id]` next tokens of every request that speculates, in one
+        batch."""
         asks = []
         for req in reqs:
-            own = self._own_k(req)
-            k = own if limits is None else min(own, limits[req.request_id])
+            k = ks[req.request_id]
             if k > 0:
                 asks.append((req, ProposeRequest(req.request_id, req.all_token_ids, k,
                                                  req.params, self._generators[req.request_id])))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
@@ -109,17 +110,11 @@ class EngineStats:
             "spec_decode": self.spec.to_dict(),
             "num_spec_paused_steps": self.num_spec_paused_steps,
             "draft_k_histogram": dict(sorted(self.draft_k_histogram.items())),
-            "step_time_prediction_median_error": _median(self.step_time_errors),
+            "step_time_prediction_median_error": (statistics.median(self.step_time_errors)
+                                                  if self.step_time_errors else None),
             "last_step": asdict(self.last_step) if self.last_step else None,
         }
         if prefix_cache_hit_rate is not None:
             out["prefix_cache_hit_rate"] = prefix_cache_hit_rate
         return out
 
-
-def _median(values) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
