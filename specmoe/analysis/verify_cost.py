@@ -3,8 +3,15 @@
 A synthetic-weight preset is built in the engine's own `DecoderModel` and run through the
 engine's `ModelRunner.execute` with a paged KV cache, exactly as a verification step runs:
 each of the B requests has `context_len` tokens already in its KV cache and T new tokens
-(the last accepted token and T - 1 drafts), and logits are computed for all T. The KV
-contents are zeros and the token ids random: timing does not depend on values.
+(the last accepted token and T - 1 drafts), and logits are computed for all T. With synthetic
+weights the KV contents are zeros and the token ids random: timing does not depend on values.
+A real model is timed on real text instead (`token_windows`): each request's context is
+prefilled from a window of it and the T new tokens are the window's next ones, so its router
+routes as it does in service.
+
+With the model's own router, the unique experts of a point are counted in an untimed forward
+over the same tokens: the counting recorder takes a MoE layer off the fused driver
+(`models.fused_moe`), and the timed forward must run the path a served model runs.
 
 MoE routing comes from a routing source (`specmoe.analysis.routing_gen`) through
 `ReplayRouter`, which still runs the real router matmul (its cost is real) and then hands the
@@ -96,10 +103,17 @@ class VerifyCostBench:
         context_len: tokens already in each request's KV cache.
         max_batch_size, max_num_tokens: the largest B and T to be timed (sizes the cache).
         seed: seeds token ids and routing draws.
+        token_windows: real token ids, one list per request slot (request b uses window
+            b mod len), each at least context_len + max_num_tokens long: prefilled here,
+            then every forward feeds the tokens after the context. None: random ids over an
+            all-zero KV cache.
+    Raises:
+        ValueError: a token window shorter than context_len + max_num_tokens.
     """
 
     def __init__(self, runner: ModelRunner, routing=None, context_len: int = 512,
-                 max_batch_size: int = 64, max_num_tokens: int = 8, seed: int = 0) -> None:
+                 max_batch_size: int = 64, max_num_tokens: int = 8, seed: int = 0,
+                 token_windows: list[list[int]] | None = None) -> None:
         self.runner = runner
         self.blocks = moe_blocks(runner.model)
         self.routing = routing if isinstance(routing, list) or routing is None \
@@ -108,21 +122,38 @@ class VerifyCostBench:
         self.blocks_per_seq = -(-(context_len + max_num_tokens) // BLOCK_SIZE)
         self.cache = runner.new_paged_cache(max_batch_size * self.blocks_per_seq, BLOCK_SIZE)
         self.rng = np.random.default_rng(seed)
-        self.stats = ExpertStatsRecorder()
-        if self.routing is None:
-            set_expert_stats(runner.model, self.stats)
+        self.windows = None
+        self._unique: dict[tuple[int, int], list[float]] = {}
+        if token_windows is not None:
+            self.windows = [list(token_windows[b % len(token_windows)])
+                            for b in range(max_batch_size)]
+            self._prefill(context_len + max_num_tokens)
+
+    def _prefill(self, need: int) -> None:
+        for b, window in enumerate(self.windows):
+            if len(window) < need:
+                raise ValueError(f"token window {b} has {len(window)} tokens; need "
+                                 f"context_len + max_num_tokens = {need}")
+            self.runner.execute(self.cache, [SequenceInput(
+                window[:self.context_len], 0, self._block_ids(b), 0)])
+
+    def _block_ids(self, b: int) -> list[int]:
+        n = self.blocks_per_seq
+        return list(range(b * n, (b + 1) * n))
 
     def _inputs(self, batch_size: int, num_tokens: int) -> list[SequenceInput]:
-        vocab = self.runner.vocab_size
-        n = self.blocks_per_seq
-        return [SequenceInput(self.rng.integers(vocab, size=num_tokens).tolist(),
-                              self.context_len, list(range(b * n, (b + 1) * n)), num_tokens)
-                for b in range(batch_size)]
+        ctx = self.context_len
+        if self.windows is not None:
+            tokens = [self.windows[b][ctx:ctx + num_tokens] for b in range(batch_size)]
+        else:
+            vocab = self.runner.vocab_size
+            tokens = [self.rng.integers(vocab, size=num_tokens).tolist()
+                      for _ in range(batch_size)]
+        return [SequenceInput(t, ctx, self._block_ids(b), num_tokens)
+                for b, t in enumerate(tokens)]
 
     def _set_routing(self, batch_size: int, num_tokens: int) -> list[float]:
         """Draw this forward's ids for every MoE layer; returns their unique counts."""
-        if self.routing is None:
-            return []
         unique = []
         for block, source in zip(self.blocks, self.routing):
             ids = source.sample(batch_size, num_tokens, self.rng)      # [B, T, k]
@@ -131,21 +162,43 @@ class VerifyCostBench:
                 self.runner.device)
         return unique
 
+    def _count_unique(self, seqs: list[SequenceInput]) -> list[float]:
+        """Distinct experts per MoE layer the model's own router picks for `seqs`, from an
+        untimed forward with a recorder attached (the previous recorders restored)."""
+        if not self.blocks:
+            return []
+        recorder, before = ExpertStatsRecorder(), [b.stats for b in self.blocks]
+        set_expert_stats(self.runner.model, recorder)
+        try:
+            self.runner.execute(self.cache, seqs)
+        finally:
+            for block, stats in zip(self.blocks, before):
+                block.stats = stats
+        return [float(counts[-1]) for _, counts in sorted(recorder.unique_experts.items())]
+
+    def unique_experts(self, batch_size: int, num_tokens: int,
+                       seqs: list[SequenceInput] | None = None) -> list[float]:
+        """Distinct experts per MoE layer at (B, T) under the model's own router (empty for a
+        dense model); counted once per point on real text, every call on random ids."""
+        key = (batch_size, num_tokens)
+        if self.windows is None or key not in self._unique:
+            self._unique[key] = self._count_unique(
+                seqs or self._inputs(batch_size, num_tokens))
+        return self._unique[key]
+
     def time_forward(self, batch_size: int, num_tokens: int) -> tuple[float, list[float]]:
         """One forward; returns (seconds, distinct experts each MoE layer touched: empty for
         a dense model)."""
         seqs = self._inputs(batch_size, num_tokens)
-        unique = self._set_routing(batch_size, num_tokens)
-        self.stats.unique_experts.clear()
-        self.stats.routing.clear()
+        if self.routing is None:
+            unique = self.unique_experts(batch_size, num_tokens, seqs)
+        else:
+            unique = self._set_routing(batch_size, num_tokens)
         synchronize(self.runner.device)
         start = time.perf_counter()
         self.runner.execute(self.cache, seqs)
         synchronize(self.runner.device)
-        seconds = time.perf_counter() - start
-        if self.routing is None and self.stats.unique_experts:
-            unique = [float(u) for counts in self.stats.unique_experts.values() for u in counts]
-        return seconds, unique
+        return time.perf_counter() - start, unique
 
 
 def measure_grid(bench: VerifyCostBench, batch_sizes: list[int], num_tokens: list[int],

@@ -81,6 +81,22 @@ def add_study_parser(sub) -> None:
     p.add_argument("--e2e-draft", default=d.e2e_draft, help="its draft model")
     p.add_argument("--e2e-batch-sizes", type=comma_list(int), default=None,
                    help=f"(default: {_show(d.e2e_batch_sizes)})")
+    real = p.add_argument_group(
+        "real models", "--models switches the study from synthetic presets to real models: "
+        "Tt(B, T) on real text and end-to-end speedups through the batched engine, MoE and "
+        "dense side by side (defaults: " + ", ".join(
+            f"--{k.replace('_', '-')} {_show(v)}" for k, v in _real_defaults().items()) + ")")
+    real.add_argument("--models", type=comma_list(), default=None,
+                      help="real target models, e.g. qwen2.5-coder-1.5b-moe,qwen2.5-coder-1.5b")
+    real.add_argument("--draft", default=None, help="the draft paired with every target")
+    real.add_argument("--ks", type=comma_list(int), default=None,
+                      help="K of the end-to-end speculative runs")
+    real.add_argument("--e2e-reps", type=int, default=None,
+                      help="repetitions of every end-to-end run (median)")
+    real.add_argument("--max-tokens", type=int, default=None,
+                      help="greedy tokens per request end to end")
+    real.add_argument("--prompt-tokens", type=int, default=None,
+                      help="end-to-end prompts cut to this many tokens")
     p.add_argument("--seed", type=int, default=d.seed,
                    help="seeds weights, token ids and routing draws (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None,
@@ -118,8 +134,43 @@ def config_from_args(args) -> StudyConfig:
         seed=args.seed)
 
 
+def _real_defaults() -> dict:
+    from specmoe.analysis.real_study import RealStudyConfig
+    d = RealStudyConfig()
+    return {k: getattr(d, k) for k in ("draft", "batch_sizes", "num_tokens", "e2e_batch_sizes",
+                                       "ks", "reps", "e2e_reps", "context_len", "max_tokens",
+                                       "prompt_tokens")}
+
+
+def real_config_from_args(args):
+    """The real-model study's settings: options given, else `RealStudyConfig`'s defaults.
+
+    Raises:
+        ValueError: inconsistent grids (`RealStudyConfig`).
+    """
+    from specmoe.analysis.real_study import RealStudyConfig
+    from specmoe.loader.model_loader import resolve_dtype
+    given = {k: getattr(args, k) for k in _real_defaults() if getattr(args, k) is not None}
+    return RealStudyConfig(models=args.models, dtype=resolve_dtype(args.dtype, args.device),
+                           seed=args.seed, **given)
+
+
+def cmd_real_study(args) -> int:
+    from specmoe.analysis.real_study import run_real_study
+    from specmoe.analysis.real_study_report import write_real_outputs
+    cfg = real_config_from_args(args)
+    out = prepare_out_dir(args.out)
+    console = Console(stderr=True)
+    results = run_real_study(cfg, lambda msg: console.print(f"[bold]{msg}[/]"))
+    write_real_outputs(results, out)
+    console.print(f"report: {out / 'report.md'}")
+    return 0
+
+
 def cmd_study(args) -> int:
     apply_threads(args)
+    if args.models:
+        return cmd_real_study(args)
     cfg = config_from_args(args)
     plan = plan_study(cfg)
     out = prepare_out_dir(args.out)
