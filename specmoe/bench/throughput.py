@@ -42,9 +42,15 @@ class ThroughputBenchConfig:
     Attributes:
         model: target model (path or alias).
         draft: "ngram" (prompt lookup), a draft model path/alias, or "none" (plain only).
-        num_speculative_tokens: K of the speculative mode.
+        num_speculative_tokens: K of the speculative mode (K_max of "adaptive").
         spec_disable_by_batch_size: the speculative mode pauses speculation while at least
             this many requests run (`SpeculativeConfig.disable_by_batch_size`; None: never).
+        policies: speculative modes by policy, each against plain in the same sweep:
+            "static:K" (every request drafts K), "table" (`batch_size_table`) and
+            "adaptive" (`SpeculativeConfig.policy`); empty: the one mode "spec" (static
+            num_speculative_tokens with spec_disable_by_batch_size).
+        batch_size_table: the "table" policy's ranges, vLLM style ({"1-4": 4, ...}).
+        spec_bench_categories: the Spec-Bench tasks prompts are drawn from.
         concurrency: numbers of requests submitted at once, ascending; the first is the
             baseline of the scaling ratios (1 for the target line).
         max_tokens: tokens generated per request (EOS ignored).
@@ -80,6 +86,10 @@ class ThroughputBenchConfig:
     target_concurrency: int = 16
     target_ratio: float = 6.0
     seed: int = 0
+    policies: list[str] = field(default_factory=list)
+    batch_size_table: dict | None = None
+    spec_bench_categories: list[str] = field(default_factory=lambda: list(
+        SPEC_BENCH_CATEGORIES))
 
     def __post_init__(self) -> None:
         if not self.concurrency or any(not isinstance(c, int) or c < 1
@@ -93,10 +103,36 @@ class ThroughputBenchConfig:
         bad = [d for d in self.datasets if d not in DATASETS]
         if bad or not self.datasets:
             raise ValueError(f"invalid datasets={self.datasets}: choose from {DATASETS}")
+        for policy in self.policies:
+            policy_speculative(policy, self.num_speculative_tokens, self.batch_size_table)
+        if self.policies and self.draft == "none":
+            raise ValueError("speculation policies need a draft: --draft is 'none'")
 
     @property
     def modes(self) -> list[str]:
-        return ["plain"] if self.draft == "none" else list(MODES)
+        if self.draft == "none":
+            return ["plain"]
+        return ["plain", *self.policies] if self.policies else list(MODES)
+
+
+def policy_speculative(policy: str, k_max: int, table: dict | None) -> dict:
+    """The `SpeculativeConfig` fields of a policy mode (see ThroughputBenchConfig.policies).
+
+    Raises:
+        ValueError: an unknown policy, a bad static K, or "table" without a table.
+    """
+    if policy == "adaptive":
+        return {"policy": "adaptive", "num_speculative_tokens": k_max}
+    if policy == "table":
+        if not table:
+            raise ValueError("policy 'table' needs a batch_size_table")
+        return {"policy": "batch_size_table", "batch_size_table": table,
+                "num_speculative_tokens": max(table.values())}
+    name, _, k = policy.partition(":")
+    if name == "static" and k.isdigit() and 1 <= int(k) <= 64:
+        return {"policy": "static", "num_speculative_tokens": int(k)}
+    raise ValueError(f"invalid policy {policy!r}: expected static:K (1 <= K <= 64), table or "
+                     "adaptive")
 
 
 # ---------------------------------------------------------------- prompts
@@ -107,7 +143,8 @@ def build_prompts(cfg: ThroughputBenchConfig, llm) -> list[dict]:
     "category", "token_ids"}, the chat template applied when the model has one (HumanEval
     stays raw)."""
     pool = max(cfg.num_requests, max(cfg.concurrency))
-    per_set = [_round_robin(_load(d), -(-pool // len(cfg.datasets))) for d in cfg.datasets]
+    per_set = [_round_robin(_load(d, cfg.spec_bench_categories), -(-pool // len(cfg.datasets)))
+               for d in cfg.datasets]
     out = []
     for i in range(max(len(p) for p in per_set)):
         for prompts in per_set:
@@ -128,9 +165,9 @@ def fitting_prompts(prompts: list[dict], max_tokens: int,
     return fit, skipped
 
 
-def _load(dataset: str):
+def _load(dataset: str, spec_bench_categories: list[str] = SPEC_BENCH_CATEGORIES):
     if dataset == "spec_bench":  # its first 80 rows repeat MT-Bench: take its own tasks
-        return load_prompts(dataset, categories=SPEC_BENCH_CATEGORIES)
+        return load_prompts(dataset, categories=spec_bench_categories)
     return load_prompts(dataset)
 
 
@@ -177,13 +214,18 @@ def build_engines(cfg: ThroughputBenchConfig) -> dict:
     plain = LLM(cfg.model, dtype=cfg.dtype, quantization=cfg.quantization, seed=cfg.seed,
                 scheduler=sched)
     engines = {"plain": plain}
-    if cfg.draft != "none":
-        spec = {"method": "ngram"} if cfg.draft == "ngram" else {
-            "method": "draft", "draft_model": cfg.draft,
-            "draft_quantization": cfg.draft_quantization}
+    if cfg.draft == "none":
+        return engines
+    spec = {"method": "ngram"} if cfg.draft == "ngram" else {
+        "method": "draft", "draft_model": cfg.draft,
+        "draft_quantization": cfg.draft_quantization}
+    if not cfg.policies:
         engines["spec"] = plain.with_speculative(
             spec | {"num_speculative_tokens": cfg.num_speculative_tokens,
                     "disable_by_batch_size": cfg.spec_disable_by_batch_size})
+    for policy in cfg.policies:  # each loads its own copy of a draft model
+        engines[policy] = plain.with_speculative(spec | policy_speculative(
+            policy, cfg.num_speculative_tokens, cfg.batch_size_table))
     return engines
 
 
@@ -381,8 +423,9 @@ def aggregate(runs: list[dict]) -> list[dict]:
     keyed: dict[tuple, list[dict]] = {}
     for r in runs:
         keyed.setdefault((r["concurrency"], r["mode"]), []).append(r)
+    order = list(dict.fromkeys(r["mode"] for r in runs))
     rows = [_row(c, mode, rs) for (c, mode), rs in sorted(
-        keyed.items(), key=lambda kv: (kv[0][0], MODES.index(kv[0][1])))]
+        keyed.items(), key=lambda kv: (kv[0][0], order.index(kv[0][1])))]
     base = next((r.get("decode_only_tokens_per_s") for r in rows if r["mode"] == "plain"), None)
     for r in rows:
         if base and r.get("decode_only_tokens_per_s"):
@@ -433,9 +476,26 @@ def _row(concurrency: int, mode: str, runs: list[dict]) -> dict:
         "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
         "spec_paused_step_share": statistics.fmean(
             s.get("num_spec_paused_steps", 0) / max(1, s["num_steps"]) for s in stats),
+        **_k_choices(stats),
         "floor_fraction": statistics.median(r["floor_seconds"] / r["wall_seconds"]
                                             for r in ok) if all(
             "floor_seconds" in r for r in ok) else None}
+
+
+def _k_choices(stats: list[dict]) -> dict:
+    """The drafts K requests were allowed per step, pooled over runs: mean, share of K = 0,
+    and the median step-time prediction error of the adaptive policy (None without one)."""
+    hist: dict[int, int] = {}
+    for s in stats:
+        for k, n in s.get("draft_k_histogram", {}).items():
+            hist[int(k)] = hist.get(int(k), 0) + n
+    total = sum(hist.values())
+    errors = [s["step_time_prediction_median_error"] for s in stats
+              if s.get("step_time_prediction_median_error") is not None]
+    return {"draft_k_histogram": dict(sorted(hist.items())),
+            "draft_k_mean": sum(k * n for k, n in hist.items()) / total if total else None,
+            "draft_k_zero_share": hist.get(0, 0) / total if total else None,
+            "step_time_prediction_error": statistics.median(errors) if errors else None}
 
 
 def is_decode_step(step: list) -> bool:
@@ -476,16 +536,45 @@ def ratios(runs: list[dict]) -> dict:
     the JSON file)."""
     tps = _tps_by_rep(runs)
     cs = sorted({k[1] for k in tps})
-    modes = [m for m in MODES if any(k[2] == m for k in tps)]
+    modes = list(dict.fromkeys(k[2] for k in tps))
     if not cs:
-        return {"baseline_concurrency": None, "scaling": {}, "speedup": {}}
+        return {"baseline_concurrency": None, "scaling": {}, "speedup": {},
+                "speedup_by_mode": {}}
     base = (cs[0], "plain")
+    by_mode = {m: {str(c): _summary(_paired(tps, (c, m), (c, "plain"))) for c in cs}
+               for m in modes if m != "plain"}
     return {"baseline_concurrency": cs[0],
             "scaling": {m: {str(c): _summary(_paired(tps, (c, m), base)) for c in cs}
                         for m in modes},
-            "speedup": {str(c): _summary(_paired(tps, (c, "spec"), (c, "plain")))
-                        for c in cs}
-            if "spec" in modes else {}}
+            "speedup": by_mode.get("spec", {}), "speedup_by_mode": by_mode,
+            "policy_targets": policy_targets(tps, cs, modes)}
+
+
+def policy_targets(tps: dict[tuple, float], cs: list[int], modes: list[str]) -> dict | None:
+    """Issue targets of the adaptive policy, per C, ratios paired within each repetition
+    (median): adaptive / plain (>= 0.97 at every C) and adaptive / the best static K of
+    that repetition (>= 0.95 at every C). None unless "adaptive" and a "static:K" ran."""
+    static = [m for m in modes if m.startswith("static:")]
+    if "adaptive" not in modes or not static:
+        return None
+    per_c = {}
+    for c in cs:
+        reps = sorted({k[0] for k in tps if k[1] == c})
+        best = {rep: max((tps[rep, c, m], m) for m in static if (rep, c, m) in tps)
+                for rep in reps if any((rep, c, m) in tps for m in static)}
+        vs_best = [tps[rep, c, "adaptive"] / best[rep][0] for rep in best
+                   if (rep, c, "adaptive") in tps]
+        per_c[str(c)] = {
+            "vs_plain": _summary(_paired(tps, (c, "adaptive"), (c, "plain")))["median"],
+            "vs_best_static": statistics.median(vs_best) if vs_best else None,
+            "best_static": statistics.mode(m for _, m in best.values()) if best else None}
+    worst_plain = min((v["vs_plain"] for v in per_c.values() if v["vs_plain"]), default=None)
+    worst_best = min((v["vs_best_static"] for v in per_c.values()
+                      if v["vs_best_static"]), default=None)
+    return {"per_concurrency": per_c, "min_vs_plain": worst_plain,
+            "min_vs_best_static": worst_best,
+            "met": None if worst_plain is None or worst_best is None
+            else worst_plain >= 0.97 and worst_best >= 0.95}
 
 
 def target_line(runs: list[dict], concurrency: int = 16, required: float = 6.0) -> dict:

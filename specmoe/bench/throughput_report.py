@@ -30,8 +30,12 @@ def markdown(results: dict) -> str:
     cfg, env = results["config"], results["environment"]
     spec = "n-gram" if cfg["draft"] == "ngram" else f"draft {cfg['draft']}"
     pause = cfg.get("spec_disable_by_batch_size")
+    policies = cfg.get("policies")
     title = f"# Throughput: {cfg['model']}, plain" + (
-        "" if cfg["draft"] == "none" else f" vs {spec} (K={cfg['num_speculative_tokens']}"
+        "" if cfg["draft"] == "none" else
+        f" vs {spec} under the policies {', '.join(policies)} (K_max "
+        f"{cfg['num_speculative_tokens']})" if policies else
+        f" vs {spec} (K={cfg['num_speculative_tokens']}"
         + (f", paused from {pause} running requests" if pause else "") + ")")
     lines = [title, "",
              f"{cfg['dtype']}{_weights(cfg, env)}, greedy, {cfg['max_tokens']} tokens per "
@@ -50,6 +54,7 @@ def markdown(results: dict) -> str:
              target_sentence(results["target"]), "",
              *([bound, ""] if (bound := bound_sentence(results)) else []),
              *[line for c in caveats(results) for line in (f"**Caveat**: {c}.", "")],
+             *policy_section(results),
              "## Throughput and latency", "", *throughput_table(results), "",
              "Ratios are taken within each repetition and summarised by their median; "
              "latencies run from the submission of a request's wave to its finish, over the "
@@ -147,13 +152,52 @@ def throughput_table(results: dict) -> list[str]:
             out.append(f"| {c} | {mode} | failed ({r['num_errors']} errors) |" + " |" * 8)
             continue
         scaling = _fmt_ratio(ratios["scaling"].get(mode, {}).get(str(c)))
-        speedup = _fmt_ratio(ratios["speedup"].get(str(c))) if mode == "spec" else ""
+        speedup = _fmt_ratio(ratios.get("speedup_by_mode", {}).get(mode, {}).get(str(c))) \
+            if mode != "plain" else ""
         out.append(f"| {c} | {mode} | {r['tokens_per_s_median']:.2f} | "
                    f"{r['tokens_per_s_min']:.2f} | {scaling} | {speedup} | "
                    f"{r['latency_mean_s']:.2f} | {r['latency_p50_s']:.2f} | "
                    f"{r['latency_p90_s']:.2f} | {r['first_token_mean_s']:.2f} | "
                    f"{r['decode_tokens_per_s_mean']:.2f} |")
     return out
+
+
+def policy_section(results: dict) -> list[str]:
+    """With several speculative modes: speedup over plain per C and mode, the adaptive
+    policy's K choices, and the issue's targets (empty with one mode)."""
+    by_mode = results["ratios"].get("speedup_by_mode", {})
+    if len(by_mode) < 2:
+        return []
+    modes = list(by_mode)
+    cs = sorted({int(c) for v in by_mode.values() for c in v})
+    rows = {(r["concurrency"], r["mode"]): r for r in results["rows"] if r["num_reps"]}
+    out = ["## Speculation policies", "",
+           "Speculative tokens/s over plain tokens/s at the same C (median of the per-"
+           "repetition ratios); for adaptive, its mean K and share of (request, step) pairs "
+           "at K = 0.", "",
+           "| C | " + " | ".join(modes) + " | adaptive K mean / off |",
+           "|---" * (len(modes) + 2) + "|"]
+    for c in cs:
+        a = rows.get((c, "adaptive"), {})
+        k = (f"{a['draft_k_mean']:.2f} / {100 * a['draft_k_zero_share']:.0f}%"
+             if a.get("draft_k_mean") is not None else "")
+        out.append(f"| {c} | " + " | ".join(_fmt_ratio(by_mode[m].get(str(c)))
+                                             for m in modes) + f" | {k} |")
+    t = results["ratios"].get("policy_targets")
+    if t:
+        errors = [r["step_time_prediction_error"] for r in rows.values()
+                  if r.get("step_time_prediction_error") is not None]
+        out += ["", f"Targets: adaptive >= 0.97x plain at every C (worst "
+                f"{t['min_vs_plain']:.2f}x) and >= 0.95x the best static K at every C "
+                f"(worst {t['min_vs_best_static']:.2f}x): "
+                f"{'met' if t['met'] else 'NOT met'}. Adaptive over the best static K per C: "
+                + ", ".join(f"C={c} {v['vs_best_static']:.2f}x ({v['best_static']})"
+                            for c, v in t["per_concurrency"].items()
+                            if v["vs_best_static"] is not None) + "."]
+        if errors:
+            out.append(f"Median relative error of the adaptive policy's predicted step "
+                       f"times: {min(errors):.1%} to {max(errors):.1%} over the runs' C.")
+    return out + [""]
 
 
 def engine_table(rows: list[dict]) -> list[str]:
@@ -225,7 +269,7 @@ def plot(results: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
     rows = [r for r in results["rows"] if r["num_reps"]]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for mode in ("plain", "spec"):
+    for mode in dict.fromkeys(r["mode"] for r in rows):
         pts = [(r["concurrency"], r["tokens_per_s_median"], r["tokens_per_s_min"])
                for r in rows if r["mode"] == mode]
         if pts:
@@ -248,10 +292,14 @@ def plot(results: dict, path: Path) -> Path:
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("total output tokens/s")
     ax.legend(fontsize=7)
-    speed = sorted((int(c), s["median"]) for c, s in results["ratios"]["speedup"].items()
-                   if s["median"] is not None)
-    if speed:
-        ax2.plot(*zip(*speed), marker="o", color="C1")
+    by_mode = results["ratios"].get("speedup_by_mode") or {"spec": results["ratios"]["speedup"]}
+    for i, (mode, ratios) in enumerate(by_mode.items()):
+        speed = sorted((int(c), s["median"]) for c, s in ratios.items()
+                       if s["median"] is not None)
+        if speed:
+            ax2.plot(*zip(*speed), marker="o", color=f"C{i + 1}", label=mode)
+    if len(by_mode) > 1:
+        ax2.legend(fontsize=7)
     ax2.axhline(1.0, color="grey", lw=0.8, ls="--")
     _concurrency_axis(ax2, rows)
     ax2.set_xlabel("concurrent requests")

@@ -23,6 +23,7 @@ the default observer does nothing.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -95,6 +96,11 @@ class EngineSnapshot:
         num_step_failures: steps that raised since start.
         num_spec_paused_steps: steps after which speculation paused for the batch size
             (`disable_by_batch_size`) since start.
+        num_steps: engine steps that ran a forward since start.
+        draft_k_histogram: K -> (request, step) pairs allowed K drafts since start.
+        num_step_time_predictions: steps whose time the adaptive policy predicted.
+        recent_step_time_errors: the relative errors of the latest predictions (at most
+            `stats.STEP_ERRORS_KEPT`), newest last.
     """
 
     num_running: int
@@ -108,6 +114,10 @@ class EngineSnapshot:
     num_step_failures: int
     num_spec_paused_steps: int = 0
     num_generation_tokens: int = 0
+    num_steps: int = 0
+    draft_k_histogram: dict[int, int] = field(default_factory=dict)
+    num_step_time_predictions: int = 0
+    recent_step_time_errors: tuple[float, ...] = ()
 
 
 @dataclass(slots=True)
@@ -119,6 +129,7 @@ class FinishedRecord:
         finish_reason: "stop", "length", "abort" or "error".
         ttft_s: to its first token (None when it emitted none).
         e2e_s: to its finish.
+        acceptance_rate: its draft tokens accepted / proposed (None when it drafted none).
     """
 
     num_prompt_tokens: int
@@ -126,6 +137,7 @@ class FinishedRecord:
     finish_reason: str
     ttft_s: float | None
     e2e_s: float
+    acceptance_rate: float | None = None
 
 
 class NullEngineObserver:
@@ -460,7 +472,8 @@ class AsyncEngine:
         ttft = None if t.first_token_time is None else t.first_token_time - t.submit_time
         self._safe_observe(self.observer.on_finished, FinishedRecord(
             len(t.req.prompt_token_ids), len(t.req.output_token_ids), reason, ttft,
-            now - t.submit_time))
+            now - t.submit_time, t.req.spec_stats.acceptance_rate
+            if t.req.spec_stats.num_draft_tokens else None))
 
     def _publish(self) -> None:
         engine = self.llm.engine
@@ -478,7 +491,11 @@ class AsyncEngine:
             num_preemptions=engine.stats.num_preemptions, spec=engine.stats.spec,
             num_step_failures=self._num_step_failures,
             num_spec_paused_steps=engine.stats.num_spec_paused_steps,
-            num_generation_tokens=engine.stats.num_generation_tokens))
+            num_generation_tokens=engine.stats.num_generation_tokens,
+            num_steps=engine.stats.num_steps,
+            draft_k_histogram=dict(engine.stats.draft_k_histogram),
+            num_step_time_predictions=engine.stats.num_step_time_predictions,
+            recent_step_time_errors=_newest(engine.stats.step_time_errors, 8)))
 
     @staticmethod
     def _safe_observe(fn, arg) -> None:
@@ -486,3 +503,8 @@ class AsyncEngine:
             fn(arg)
         except Exception:  # noqa: BLE001 - metrics never take the engine down
             logger.exception("engine observer failed")
+
+
+def _newest(values, n: int) -> tuple:
+    """The last `n` items of a deque, oldest first, without copying the rest."""
+    return tuple(reversed(tuple(itertools.islice(reversed(values), n))))

@@ -298,7 +298,7 @@ class EngineCore:
                                              num_accepted[s.request_id])
         error = self.policy.observe_step(rows, seconds)
         if error is not None:
-            self.stats.step_time_errors.append(error)
+            self.stats.record_step_time_error(error)
 
     def _own_k(self, req: Request) -> int:
         """The most tokens `req` may draft next: its K, within max_tokens and the context."""

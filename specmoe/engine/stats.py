@@ -63,6 +63,7 @@ class EngineStats:
         step_time_errors: relative errors |predicted - measured| / measured of the adaptive
             policy's predicted forward times (`spec_decode.adaptive`), of the last
             STEP_ERRORS_KEPT predicted steps (a server runs for days).
+        num_step_time_predictions: predicted steps since start (every error ever appended).
         last_step: the most recent step's counters.
     """
 
@@ -78,7 +79,12 @@ class EngineStats:
     draft_k_histogram: dict[int, int] = field(default_factory=dict)
     step_time_errors: deque[float] = field(
         default_factory=lambda: deque(maxlen=STEP_ERRORS_KEPT))
+    num_step_time_predictions: int = 0
     last_step: StepStats | None = None
+
+    def record_step_time_error(self, error: float) -> None:
+        self.step_time_errors.append(error)
+        self.num_step_time_predictions += 1
 
     def record_draft_ks(self, ks) -> None:
         for k in ks:

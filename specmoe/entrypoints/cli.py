@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from specmoe.entrypoints.args import (add_model_args, add_spec_args, apply_threads, comma_list,
-                                      llm_from_args, speculative_from_args)
+                                      json_dict, llm_from_args, speculative_from_args)
 from specmoe.entrypoints.routing_cli import (add_routing_parser, check_trace_path, cmd_routing,
                                              generate_with_trace)
 from specmoe.entrypoints.study_cli import add_study_parser
@@ -152,6 +152,19 @@ def add_bench_throughput_parser(bench) -> None:
     tp.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
                     help="the speculative mode pauses speculation while at least this many "
                          "requests run (default: never)")
+    tp.add_argument("--speculative-policy", type=comma_list(), default=[],
+                    help="speculative modes by policy, each against plain in one interleaved "
+                         "sweep: static:K, table (--speculative-batch-size-table), adaptive "
+                         "(K_max -k); e.g. static:1,static:2,static:4,static:8,table,adaptive "
+                         "(default: one static mode, 'spec')")
+    tp.add_argument("--speculative-batch-size-table", type=json_dict, default=None,
+                    help="the table policy's ranges, e.g. '{\"1-4\": 4, \"5-16\": 2, "
+                         "\"17-4096\": 0}'")
+    tp.add_argument("--spec-bench-categories", type=comma_list(),
+                    default=",".join(d.spec_bench_categories),
+                    help="Spec-Bench tasks to draw prompts from (default: %(default)s); "
+                         "a mixed workload: --datasets humaneval,spec_bench "
+                         "--spec-bench-categories translation")
     tp.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
     tp.add_argument("--quantization", default=None, choices=["int8", "int4"])
     tp.add_argument("--draft-quantization", default=None, choices=["int8", "int4"])
@@ -296,7 +309,9 @@ def cmd_bench_throughput(args) -> int:
         max_tokens=args.max_tokens, reps=args.reps,
         datasets=args.datasets, num_requests=args.num_requests,
         max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
-        num_threads=args.threads)
+        num_threads=args.threads, policies=args.speculative_policy,
+        batch_size_table=args.speculative_batch_size_table,
+        spec_bench_categories=args.spec_bench_categories)
     out = Path(args.out or f"out/throughput-{time.strftime('%Y%m%d-%H%M')}")
     results = run_throughput_bench(cfg)
     for path in write_report(results, out):

@@ -195,3 +195,64 @@ def test_caveats(runs):
     quiet = _results([r for r in runs if r["rep"] == 0])
     quiet["environment"] |= {"load_average_start": 0.2, "torch_num_threads": 1}
     assert caveats(quiet) == []
+
+
+def _policy_runs():
+    """Plain, two static Ks and adaptive at C=1 and C=16, two repetitions (rep 1 at half
+    speed): static:4 wins at C=1, static:1 at C=16; adaptive is close to the best of each."""
+    tps = {1: {"plain": 10, "static:1": 12, "static:4": 15, "adaptive": 14.7},
+           16: {"plain": 70, "static:1": 60, "static:4": 40, "adaptive": 69}}
+    out = []
+    for rep, f in ((0, 1.0), (1, 0.5)):
+        for c, modes in tps.items():
+            for mode, t in modes.items():
+                run = _run(rep, c, mode, t * f)
+                if mode == "adaptive":
+                    run["engine_stats"] |= {"draft_k_histogram": {0: 3, 4: 1},
+                                            "step_time_prediction_median_error": 0.04}
+                out.append(run)
+    return out
+
+
+def test_policy_modes_are_compared_with_plain_and_the_best_static_k():
+    runs = _policy_runs()
+    r = ratios(runs)
+    assert set(r["speedup_by_mode"]) == {"static:1", "static:4", "adaptive"}
+    assert r["speedup_by_mode"]["static:4"]["1"]["median"] == pytest.approx(1.5)
+    t = r["policy_targets"]
+    assert t["per_concurrency"]["1"]["best_static"] == "static:4"
+    assert t["per_concurrency"]["16"]["best_static"] == "static:1"
+    assert t["per_concurrency"]["1"]["vs_best_static"] == pytest.approx(14.7 / 15)
+    assert t["min_vs_plain"] == pytest.approx(69 / 70)
+    assert t["min_vs_best_static"] == pytest.approx(14.7 / 15) and t["met"] is True
+    rows = aggregate(runs)
+    assert [row["mode"] for row in rows if row["concurrency"] == 1] == [
+        "plain", "static:1", "static:4", "adaptive"]
+    a = _row(rows, 1, "adaptive")
+    assert a["draft_k_mean"] == pytest.approx(1.0) and a["draft_k_zero_share"] == 0.75
+    assert a["step_time_prediction_error"] == pytest.approx(0.04)
+    md = markdown(_results(runs) | {"rows": rows, "ratios": r})
+    assert "## Speculation policies" in md
+    assert "| 1 | 1.20x | 1.50x | 1.47x | 1.00 / 75% |" in md
+    assert "worst 0.99x) and >= 0.95x the best static K at every C (worst 0.98x): met" in md
+    runs[-1]["tokens_per_s"] = 50  # adaptive at C=16, rep 1: 50 against plain's 35
+    assert ratios(runs)["policy_targets"]["met"] is True
+    runs[-1]["tokens_per_s"] = 20
+    assert ratios(runs)["policy_targets"]["met"] is False
+
+
+def test_policy_config():
+    from specmoe.bench.throughput import policy_speculative
+    cfg = ThroughputBenchConfig(policies=["static:2", "adaptive", "table"],
+                                batch_size_table={"1-4": 4, "5-64": 0})
+    assert cfg.modes == ["plain", "static:2", "adaptive", "table"]
+    assert policy_speculative("adaptive", 8, None) == {"policy": "adaptive",
+                                                       "num_speculative_tokens": 8}
+    assert policy_speculative("table", 8, {"1-4": 4})["num_speculative_tokens"] == 4
+    for bad in ("static:0", "static:x", "greedy"):
+        with pytest.raises(ValueError, match=f"invalid policy '{bad}'"):
+            ThroughputBenchConfig(policies=[bad])
+    with pytest.raises(ValueError, match="needs a batch_size_table"):
+        ThroughputBenchConfig(policies=["table"])
+    with pytest.raises(ValueError, match="need a draft"):
+        ThroughputBenchConfig(draft="none", policies=["adaptive"])

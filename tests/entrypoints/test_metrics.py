@@ -44,7 +44,7 @@ def _snapshot(spec: SpecDecodeStats, used: int = 0) -> EngineSnapshot:
 
 def test_expert_load_counts_every_routed_token(tiny_moe):
     metrics = ServerMetrics("tiny")
-    assert metrics.attach_expert_load(tiny_moe.target.model)
+    assert metrics.attach_expert_load(tiny_moe.target.model, every=1)
     prompt, max_tokens = [5, 6, 7, 8], 6
     tiny_moe.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens,
                                              ignore_eos=True))
@@ -55,6 +55,51 @@ def test_expert_load_counts_every_routed_token(tiny_moe):
         counts = [s.value for s in samples if s.labels["layer"] == str(layer)]
         assert sum(counts) == TOP_K * num_forwarded
         assert all(int(s.labels["expert"]) < NUM_EXPERTS for s in samples)
+
+
+def test_expert_load_is_recorded_in_one_step_of_every_few(tiny_moe):
+    from specmoe.layers.moe.backends import moe_blocks
+    from specmoe.layers.moe.stats import NullExpertStats
+    blocks = moe_blocks(tiny_moe.target.model)
+    for b in blocks:  # as loaded (an earlier test attached its recorder)
+        b.stats = NullExpertStats()
+    metrics = ServerMetrics("tiny")
+    assert metrics.attach_expert_load(tiny_moe.target.model, every=3)
+    recording = []
+    for steps in range(1, 8):
+        recording.append(all(b.stats is metrics.expert_load for b in blocks))
+        metrics.on_step(replace(_snapshot(SpecDecodeStats()), num_steps=steps))
+    # sampled steps 3 and 6 record; the others keep the blocks' own no-op recorder, which the
+    # fused decoder driver requires
+    assert recording == [False, False, True, False, False, True, False]
+    metrics.on_step(replace(_snapshot(SpecDecodeStats()), num_steps=9))
+    assert all(type(b.stats) is NullExpertStats for b in blocks)
+    with pytest.raises(ValueError, match="every=0"):
+        ServerMetrics("x").attach_expert_load(tiny_moe.target.model, every=0)
+
+
+def test_policy_metrics_follow_snapshots():
+    m = ServerMetrics("m")
+    snap = _snapshot(SpecDecodeStats())
+    m.on_step(replace(snap, num_steps=2, draft_k_histogram={4: 2},
+                      num_step_time_predictions=1, recent_step_time_errors=(0.5,)))
+    m.on_step(replace(snap, num_steps=5, draft_k_histogram={0: 1, 4: 3},
+                      num_step_time_predictions=3,
+                      recent_step_time_errors=(0.5, 0.02, 0.04)))
+    m.on_finished(FinishedRecord(10, 5, "length", 0.5, 1.3, acceptance_rate=0.75))
+    m.on_finished(FinishedRecord(10, 5, "length", 0.5, 1.3))  # drafted nothing
+
+    def one(name, **labels):
+        return sum(s.value for s in _samples(m, name)
+                   if all(s.labels.get(k) == v for k, v in labels.items()))
+    assert one("specmoe:engine_steps_total") == 5
+    assert one("specmoe:spec_decode_draft_k_count") == 4
+    assert one("specmoe:spec_decode_draft_k_bucket", le="0.0") == 1
+    assert one("specmoe:spec_decode_draft_k_sum") == 12
+    assert one("specmoe:spec_decode_step_time_prediction_error_count") == 3
+    assert one("specmoe:spec_decode_step_time_prediction_error_sum") == pytest.approx(0.56)
+    assert one("specmoe:spec_decode_request_acceptance_rate_count") == 1
+    assert one("specmoe:spec_decode_request_acceptance_rate_sum") == 0.75
 
 
 def test_dense_model_has_no_expert_load():

@@ -8,12 +8,19 @@ specmoe:num_preemptions, specmoe:prompt_tokens, specmoe:generation_tokens,
 specmoe:request_success{finished_reason}, specmoe:spec_decode_num_drafts,
 specmoe:spec_decode_num_draft_tokens, specmoe:spec_decode_num_accepted_tokens,
 specmoe:spec_decode_num_accepted_tokens_per_pos{position},
-specmoe:spec_decode_num_paused_steps (steps after which speculation paused for the batch
-size), specmoe:engine_step_failures,
+specmoe:spec_decode_num_paused_steps (steps after which no request drafted: the batch-size
+rules or the adaptive policy turned speculation off), specmoe:engine_steps (with the paused
+steps: the fraction of steps with speculation off), specmoe:engine_step_failures,
 specmoe:http_responses{status} and, for MoE targets, specmoe:moe_expert_load{layer,expert}
-(tokens routed to each expert). Histograms (seconds): specmoe:time_to_first_token_seconds,
-specmoe:time_per_output_token_seconds, specmoe:e2e_request_latency_seconds. Plus the standard
-process_* collector (resident memory, CPU seconds).
+(tokens routed to each expert in the sampled steps, one engine step in
+`EXPERT_LOAD_EVERY`: recording routing takes a MoE layer off the fused decoder driver, so
+only the sampled steps pay for it). Histograms: specmoe:time_to_first_token_seconds,
+specmoe:time_per_output_token_seconds, specmoe:e2e_request_latency_seconds (seconds),
+specmoe:spec_decode_draft_k (the K each speculating request was allowed per step, 0 =
+speculation off), specmoe:spec_decode_step_time_prediction_error (relative error of the
+adaptive policy's predicted step time) and specmoe:spec_decode_request_acceptance_rate
+(per finished request that drafted). Plus the standard process_* collector (resident
+memory, CPU seconds).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, Pro
                                generate_latest)
 
 from specmoe.engine.async_engine import EngineSnapshot, FinishedRecord, NullEngineObserver
-from specmoe.layers.moe.backends import moe_blocks, set_expert_stats
+from specmoe.layers.moe.backends import moe_blocks
 
 P = "specmoe:"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -33,6 +40,10 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                 2.5, 5.0)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 240.0, 480.0)
+DRAFT_K_BUCKETS = tuple(float(k) for k in range(17))  # the API caps K at 16; larger: +Inf
+ERROR_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+RATE_BUCKETS = tuple(i / 10 for i in range(1, 11))
+EXPERT_LOAD_EVERY = 16
 
 
 class ExpertLoadRecorder:
@@ -79,6 +90,7 @@ class ServerMetrics(NullEngineObserver):
         self._last: EngineSnapshot | None = None
         self._last_per_pos: list[int] = []
         self.expert_load: ExpertLoadRecorder | None = None
+        self._expert_switch = None
         r, labels = self.registry, ["model_name"]
         ProcessCollector(registry=r)
         g = lambda name, doc: Gauge(P + name, doc, labels, registry=r)  # noqa: E731
@@ -106,6 +118,7 @@ class ServerMetrics(NullEngineObserver):
                               "drafted: at least disable_by_batch_size requests running, "
                               "or K=0 in the batch-size table.")
         self.step_failures = c("engine_step_failures", "Engine steps that raised.")
+        self.steps = c("engine_steps", "Engine steps that ran a forward.")
         self.http_responses = Counter(P + "http_responses",
                                       "HTTP responses of /v1 routes by status code.",
                                       ["status"], registry=r)
@@ -116,21 +129,37 @@ class ServerMetrics(NullEngineObserver):
                       "first (s).", TPOT_BUCKETS)
         self.e2e = h("e2e_request_latency_seconds", "End-to-end request latency (s).",
                      E2E_BUCKETS)
+        self.draft_k = h("spec_decode_draft_k", "Drafts K each speculating request was "
+                         "allowed in a step (0: speculation off).", DRAFT_K_BUCKETS)
+        self.step_error = h("spec_decode_step_time_prediction_error", "Relative error of "
+                            "the adaptive policy's predicted step time.", ERROR_BUCKETS)
+        self.request_acceptance = h("spec_decode_request_acceptance_rate", "Draft tokens "
+                                    "accepted / proposed, per finished request that "
+                                    "drafted.", RATE_BUCKETS)
         for metric in (self.running, self.waiting, self.in_flight, self.kv_usage, self.kv_used,
                        self.kv_total, self.prefix_queries, self.prefix_hits, self.preemptions,
                        self.prompt_tokens, self.generation_tokens, self.num_drafts,
                        self.num_draft_tokens, self.num_accepted, self.paused_steps,
-                       self.step_failures, self.ttft,
-                       self.tpot, self.e2e):
+                       self.step_failures, self.steps, self.ttft, self.tpot, self.e2e,
+                       self.draft_k, self.step_error, self.request_acceptance):
             metric.labels(model_name)  # every series is exposed from the start, at 0
 
-    def attach_expert_load(self, model: torch.nn.Module) -> bool:
-        """Count expert load of a MoE target (no-op for a dense one); True when attached."""
+    def attach_expert_load(self, model: torch.nn.Module, every: int = EXPERT_LOAD_EVERY
+                           ) -> bool:
+        """Count expert load of a MoE target (no-op for a dense one) in one engine step of
+        every `every` (1: all; see the module docstring); True when attached.
+
+        Raises:
+            ValueError: every < 1.
+        """
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"invalid every={every!r}: must be an int >= 1")
         blocks = moe_blocks(model)
         if not blocks:
             return False
         self.expert_load = ExpertLoadRecorder(blocks[0].experts.num_experts)
-        set_expert_stats(model, self.expert_load)
+        self._expert_switch = _RecorderSwitch(blocks, self.expert_load, every)
+        self._expert_switch.update(0)
         self._expert_counter = Counter(P + "moe_expert_load", "Tokens routed to each expert.",
                                        ["model_name", "layer", "expert"], registry=self.registry)
         return True
@@ -149,13 +178,28 @@ class ServerMetrics(NullEngineObserver):
         self._inc(self.step_failures, s.num_step_failures, last and last.num_step_failures)
         self._inc(self.generation_tokens, s.num_generation_tokens,
                   last and last.num_generation_tokens)
+        self._inc(self.steps, s.num_steps, last and last.num_steps)
         self._record_spec(s, last)
-        self._last = replace(s, spec=replace(s.spec, num_accepted_per_position=[]))
+        self._record_policy(s, last)
+        self._last = replace(s, spec=replace(s.spec, num_accepted_per_position=[]),
+                             recent_step_time_errors=())
         if self.expert_load is not None:
             for layer, counts in self.expert_load.take().items():
                 for expert, n in enumerate(counts):
                     if n:
                         self._expert_counter.labels(m, str(layer), str(expert)).inc(n)
+            self._expert_switch.update(s.num_steps)
+
+    def _record_policy(self, s: EngineSnapshot, last: EngineSnapshot | None) -> None:
+        """The K histogram and the step-time prediction errors since the last snapshot."""
+        before = last.draft_k_histogram if last else {}
+        for k, n in s.draft_k_histogram.items():
+            for _ in range(n - before.get(k, 0)):
+                self.draft_k.labels(self.model_name).observe(k)
+        new = s.num_step_time_predictions - (last.num_step_time_predictions if last else 0)
+        errors = s.recent_step_time_errors
+        for error in errors[len(errors) - min(new, len(errors)):]:
+            self.step_error.labels(self.model_name).observe(error)
 
     def _record_spec(self, s: EngineSnapshot, last: EngineSnapshot | None) -> None:
         spec, prev = s.spec, last.spec if last else None
@@ -180,6 +224,8 @@ class ServerMetrics(NullEngineObserver):
         self.success.labels(m, r.finish_reason).inc()
         self.prompt_tokens.labels(m).inc(r.num_prompt_tokens)
         self.e2e.labels(m).observe(r.e2e_s)
+        if r.acceptance_rate is not None:
+            self.request_acceptance.labels(m).observe(r.acceptance_rate)
         if r.ttft_s is not None:
             self.ttft.labels(m).observe(r.ttft_s)
             if r.num_output_tokens > 1:
@@ -188,3 +234,19 @@ class ServerMetrics(NullEngineObserver):
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+
+class _RecorderSwitch:
+    """Attaches an expert-stats recorder to MoE blocks for one engine step in `every` and
+    gives them back their own (the fused decoder driver keeps its table across the switch:
+    it checks that each block's recorder is the one it was built with)."""
+
+    def __init__(self, blocks: list, recorder, every: int) -> None:
+        self.blocks, self.recorder, self.every = blocks, recorder, every
+        self.own = [b.stats for b in blocks]
+
+    def update(self, num_steps: int) -> None:
+        """Called after `num_steps` steps: record during the next one if it is sampled."""
+        on = (num_steps + 1) % self.every == 0
+        for block, own in zip(self.blocks, self.own):
+            block.stats = self.recorder if on else own
