@@ -28,6 +28,7 @@ from specmoe.outputs import TokenLogprob
 from specmoe.request import Request
 from specmoe.sample.ops import compute_logprobs
 from specmoe.spec_decode.adaptive import AdaptivePolicy
+from specmoe.spec_decode.routing_overlap import RoutingSampler
 from specmoe.spec_decode.proposer import ProposeRequest
 from specmoe.utils.threads import make_thread_governor
 from specmoe.worker.model_runner import ModelRunner, SequenceInput
@@ -85,6 +86,8 @@ class EngineCore:
         self.disable_by_batch_size = disable_by_batch_size
         self.batch_size_table = batch_size_table
         self.policy = policy if proposer is not None else None
+        self.routing_sampler = (RoutingSampler(target.model)
+                                if self.policy is not None and self.policy.s.is_moe else None)
         self.kv_cache = target.new_paged_cache(num_kv_blocks, scheduler_config.block_size)
         self.scheduler = Scheduler(scheduler_config, num_kv_blocks, target.max_model_len)
         self.stats = EngineStats()
@@ -143,15 +146,21 @@ class EngineCore:
                 raise RuntimeError("no request could be scheduled; the KV cache is too small")
             return []
         self._failed = []
+        sampled_routing = self.routing_sampler is not None and self.routing_sampler.begin()
         t0 = time.perf_counter()
-        logits = self._forward(out.scheduled)
+        try:
+            logits = self._forward(out.scheduled)
+        finally:
+            overlap = self.routing_sampler.end(
+                [len(s.token_ids) for s in out.scheduled]) if sampled_routing else None
         sampled = [s for s in out.scheduled if s.request_id in logits]
         reqs = [self.scheduler.requests[s.request_id] for s in sampled]
         num_rejected, num_accepted, num_emitted = self._verify(
             sampled, reqs, [logits[s.request_id] for s in sampled])
         self.step_observer.on_step_verified(out.scheduled, self.scheduler.requests, num_accepted)
         verify_time = time.perf_counter() - t0
-        self._observe_policy(sampled, num_accepted, out.stats.num_scheduled_tokens, verify_time)
+        self._observe_policy(sampled, num_accepted, out.scheduled, verify_time, overlap,
+                             timed=not sampled_routing)
         verified = [req for s, req in zip(sampled, reqs) if s.num_draft_tokens]
         for req in verified:
             req.spec_stats.verify_time_s += verify_time
@@ -289,14 +298,23 @@ class EngineCore:
         return self.policy.choose(list(own), list(own.values()), len(live))
 
     def _observe_policy(self, sampled: list[ScheduledRequest], num_accepted: dict[str, int],
-                        rows: int, seconds: float) -> None:
+                        scheduled: list[ScheduledRequest], seconds: float,
+                        overlap: float | None, timed: bool) -> None:
+        """Feed the adaptive policy what the step verified, its routing overlap (a sampled
+        MoE step) and, unless that step ran off the fused path, its time."""
         if self.policy is None:
             return
         for s in sampled:
             if s.num_draft_tokens and s.request_id in num_accepted:
                 self.policy.observe_verified(s.request_id, s.num_draft_tokens,
                                              num_accepted[s.request_id])
-        error = self.policy.observe_step(rows, seconds)
+        if overlap is not None:
+            self.policy.observe_overlap(overlap)
+        if not timed:
+            self.policy.predicted_step_s = None
+            return
+        windows = [len(s.token_ids) for s in scheduled]
+        error = self.policy.observe_step(sum(windows), seconds, windows)
         if error is not None:
             self.stats.record_step_time_error(error)
 

@@ -113,7 +113,7 @@ class LLM:
                                  num_blocks, k, speculative.disable_by_batch_size
                                  if speculative else None,
                                  parse_batch_size_table(table) if table else None,
-                                 _adaptive_policy(speculative))
+                                 _adaptive_policy(speculative, self.target))
 
     @property
     def max_model_len(self) -> int:
@@ -220,10 +220,16 @@ class LLM:
         return torch.Generator(self.target.device).manual_seed(seed)
 
 
-def _adaptive_policy(speculative: SpeculativeConfig | None) -> AdaptivePolicy | None:
+def _adaptive_policy(speculative: SpeculativeConfig | None, target: ModelRunner
+                     ) -> AdaptivePolicy | None:
+    """The adaptive policy, told the target's routed experts when it is a MoE (every MoE
+    layer alike: the step-time model's expert term is per layer)."""
     if speculative is None or speculative.policy != "adaptive":
         return None
-    return AdaptivePolicy(AdaptiveSettings(max_k=speculative.num_speculative_tokens))
+    moe = target.arch.moe
+    n, k = (moe.num_experts, moe.top_k) if moe is not None and moe.moe_layers else (0, 0)
+    return AdaptivePolicy(AdaptiveSettings(max_k=speculative.num_speculative_tokens,
+                                           num_experts=n, top_k=k))
 
 
 def _num_kv_blocks(cfg: SchedulerConfig, target: ModelRunner) -> int:

@@ -13,9 +13,12 @@ second.
   fitted online by non-negative least squares (relative error) on the recent steps' timings.
   Few rows cost little more than one (the weights are read once: memory-bound), many rows
   cost in proportion (compute-bound); the hinges let prefill chunks calibrate the second
-  regime without making a few draft rows look expensive. Drafting costs d x depth (the
-  deepest request's K: a draft model runs the batch that many times), d the measured
-  drafting seconds per depth, averaged.
+  regime without making a few draft rows look expensive. On a MoE target one more term,
+  c_U U/N: the share of experts the step's windows touch (`routing_overlap`: expected from
+  the adjacent-token overlap measured live on sampled steps), since a memory-bound MoE layer
+  reads each touched expert once, so K drafts of one request cost about the experts they
+  add, not K rows. Drafting costs d x depth (the deepest request's K: a draft model runs
+  the batch that many times), d the measured drafting seconds per depth, averaged.
 - Choice: for a given draft depth D and number n of drafts, the best drafts are the n with
   the most expected tokens (each request's are non-increasing in position, so they are a
   prefix of each request's); the best n maximises tokens / seconds. Each D = 0..K_max is
@@ -45,6 +48,13 @@ class AdaptiveSettings:
     probe_every: int = 16
     window: int = 256
     min_fit_steps: int = 8
+    num_experts: int = 0  # a MoE target's routed experts N and top-k (0: dense)
+    top_k: int = 0
+    overlap_prior: float = 0.4  # adjacent-token overlap until one is measured
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
 
 class AcceptanceTracker:
@@ -88,58 +98,77 @@ class AcceptanceTracker:
 KNOTS = (8, 32, 128)  # rows where the step time's slope may grow
 
 
-def _row_features(rows) -> np.ndarray:
+def _row_features(rows, unique_frac=None) -> np.ndarray:
     r = np.asarray(rows, dtype=float)
-    return np.stack([np.ones_like(r), r, *(np.maximum(r - k, 0.0) for k in KNOTS)], axis=-1)
+    cols = [np.ones_like(r), r, *(np.maximum(r - k, 0.0) for k in KNOTS)]
+    if unique_frac is not None:
+        cols.append(np.broadcast_to(np.asarray(unique_frac, dtype=float), r.shape))
+    return np.stack(cols, axis=-1)
 
 
 class StepTimeModel:
-    """Target forward seconds as a convex increasing piecewise-linear function of rows (module
-    docstring), non-negative least squares on a window of steps."""
+    """Target forward seconds as a convex increasing piecewise-linear function of rows, plus
+    c_U U/N on a MoE target (module docstring), non-negative least squares on a window of
+    steps."""
 
-    def __init__(self, window: int, min_steps: int) -> None:
-        self._steps: deque[tuple[int, float]] = deque(maxlen=window)
+    def __init__(self, window: int, min_steps: int, moe: bool = False) -> None:
+        self._steps: deque[tuple[int, float, float]] = deque(maxlen=window)
         self.min_steps = min_steps
+        self.moe = moe
         self.coef: np.ndarray | None = None
 
-    def observe(self, rows: int, seconds: float) -> None:
-        self._steps.append((rows, seconds))
+    def observe(self, rows: int, seconds: float, unique_frac: float = 0.0) -> None:
+        self._steps.append((rows, seconds, unique_frac))
         if len(self._steps) >= self.min_steps and len(self._steps) % 4 == 0:
             self._fit()
 
     def _fit(self) -> None:
         from scipy.optimize import nnls
-        rows, secs = np.array(self._steps, dtype=float).T
+        rows, secs, frac = np.array(self._steps, dtype=float).T
+        feats = _row_features(rows, frac if self.moe else None)
         # relative error: a long prefill step must not outweigh a hundred decode steps
-        self.coef, _ = nnls(_row_features(rows) / secs[:, None], np.ones_like(secs))
+        self.coef, _ = nnls(feats / secs[:, None], np.ones_like(secs))
 
-    def predict(self, rows):
-        """Seconds at `rows` (a number or an array); None before the first fit."""
-        return None if self.coef is None else _row_features(rows) @ self.coef
+    def predict(self, rows, unique_frac=0.0):
+        """Seconds at `rows` (a number or an array) and, on a MoE target, the windows'
+        share of experts (same shape); None before the first fit."""
+        if self.coef is None:
+            return None
+        return _row_features(rows, unique_frac if self.moe else None) @ self.coef
 
 
-def choose_ks(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float
-              ) -> tuple[np.ndarray, float]:
+def choose_ks(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float,
+              miss_step: np.ndarray | None = None) -> tuple[np.ndarray, float]:
     """The K per request that maximises expected tokens per second (module docstring).
 
     Args:
         gains: [B, max_k] expected tokens of each request's j-th draft, non-increasing in j.
         caps: [B] int, each request's largest K.
-        step_s: the target step's seconds as a function of its draft count (an array of
-            counts -> an array of seconds), non-decreasing.
+        step_s: the target step's seconds from its draft count and (MoE) the log of the
+            share of experts its windows miss (two arrays of one shape -> an array of
+            seconds), non-decreasing in both.
         draft_s: drafting seconds per depth.
+        miss_step: [max_k + 1], a MoE target's log-miss of a window of 1 + j tokens
+            (`routing_overlap.miss_log`); None for a dense target.
     Returns:
         (ks [B] int64, the predicted tokens per second).
     """
     b, max_k = gains.shape
-    best_ks, best_rate = np.zeros(b, dtype=np.int64), b / float(step_s(np.zeros(1))[0])
+    miss = np.zeros(max_k + 1) if miss_step is None else miss_step
+    base_miss = b * miss[0]
+    best_ks = np.zeros(b, dtype=np.int64)
+    best_rate = b / float(step_s(np.zeros(1), np.full(1, base_miss))[0])
     for depth in range(1, min(max_k, int(caps.max(initial=0))) + 1):
         g = np.where(np.arange(depth)[None, :] < caps[:, None], gains[:, :depth], -np.inf)
         order = np.argsort(-g, axis=None, kind="stable")
         vals = g.reshape(-1)[order]
-        vals = vals[np.isfinite(vals)]
+        finite = np.isfinite(vals)
+        vals, order = vals[finite], order[finite]
+        # a request's j-th draft grows its window from j + 1 to j + 2 tokens
+        grow = np.diff(miss)[order % depth]
         tokens = b + np.concatenate([[0.0], np.cumsum(vals)])
-        seconds = step_s(np.arange(vals.size + 1)) + draft_s * depth
+        misses = base_miss + np.concatenate([[0.0], np.cumsum(grow)])
+        seconds = step_s(np.arange(vals.size + 1), misses) + draft_s * depth
         n = int(np.argmax(tokens / seconds))
         rate = tokens[n] / seconds[n]
         if n and rate > best_rate:
@@ -148,11 +177,16 @@ def choose_ks(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float
     return best_ks, float(best_rate)
 
 
-def predicted_rate(ks: np.ndarray, gains: np.ndarray, step_s, draft_s: float) -> float:
+def predicted_rate(ks: np.ndarray, gains: np.ndarray, step_s, draft_s: float,
+                   miss_step: np.ndarray | None = None) -> float:
     """Expected tokens per second of the batch at `ks` (`choose_ks`'s arguments)."""
     tokens = len(ks) + sum(float(g[:k].sum()) for g, k in zip(gains, ks))
-    seconds = float(step_s(np.array([int(ks.sum())]))[0]) + draft_s * int(ks.max(initial=0))
-    return tokens / seconds
+    return tokens / (_step_seconds(ks, step_s, miss_step) + draft_s * int(ks.max(initial=0)))
+
+
+def _step_seconds(ks: np.ndarray, step_s, miss_step: np.ndarray | None) -> float:
+    misses = 0.0 if miss_step is None else float(miss_step[ks].sum())
+    return float(step_s(np.array([int(ks.sum())]), np.array([misses]))[0])
 
 
 class AdaptivePolicy:
@@ -162,7 +196,10 @@ class AdaptivePolicy:
     def __init__(self, settings: AdaptiveSettings) -> None:
         self.s = settings
         self.acceptance = AcceptanceTracker(settings.max_k, settings.prior_strength)
-        self.step_time = StepTimeModel(settings.window, settings.min_fit_steps)
+        self.step_time = StepTimeModel(settings.window, settings.min_fit_steps,
+                                       settings.is_moe)
+        self.overlap = settings.overlap_prior
+        self._overlap_obs = 0
         self.draft_s = 0.0
         self._draft_obs = 0
         self._previous: dict[str, int] = {}
@@ -172,15 +209,32 @@ class AdaptivePolicy:
     def observe_verified(self, request_id: str, drafted: int, accepted: int) -> None:
         self.acceptance.observe(request_id, drafted, accepted)
 
-    def observe_step(self, rows: int, seconds: float) -> float | None:
-        """Record the forward's time; returns the relative error of its prediction (None:
-        nothing was predicted)."""
+    def observe_step(self, rows: int, seconds: float, windows: list[int] | None = None
+                     ) -> float | None:
+        """Record the forward's time (`windows`: the rows of each request in it, for a MoE
+        target's expert share); returns the relative error of its prediction (None: nothing
+        was predicted)."""
         error = None
         if self.predicted_step_s:
             error = abs(self.predicted_step_s - seconds) / seconds
-        self.step_time.observe(rows, seconds)
+        self.step_time.observe(rows, seconds, self.unique_fraction(windows or [rows]))
         self.predicted_step_s = None
         return error
+
+    def observe_overlap(self, overlap: float) -> None:
+        """An adjacent-token routing overlap measured on a sampled step (MoE targets)."""
+        self._overlap_obs += 1
+        self.overlap += max(1.0 / self._overlap_obs, 0.1) * (overlap - self.overlap)
+
+    def unique_fraction(self, windows: list[int]) -> float:
+        """U / N of a step's windows on a MoE target (0 on a dense one)."""
+        if not self.s.is_moe:
+            return 0.0
+        return float(1.0 - np.exp(self._miss(np.asarray(windows)).sum()))
+
+    def _miss(self, tokens):
+        from specmoe.spec_decode.routing_overlap import miss_log
+        return miss_log(tokens, self.s.num_experts, self.s.top_k, self.overlap)
 
     def observe_draft(self, depth: int, seconds: float) -> None:
         if depth > 0:
@@ -197,17 +251,19 @@ class AdaptivePolicy:
         caps_a = np.minimum(np.asarray(caps, dtype=np.int64), self.s.max_k)
         if self.step_time.coef is None:  # not calibrated yet: the requests' own K
             return dict(zip(request_ids, caps_a.tolist()))
-        def step_s(drafts: np.ndarray) -> np.ndarray:
-            return self.step_time.predict(base_rows + drafts)
+        def step_s(drafts: np.ndarray, misses: np.ndarray) -> np.ndarray:
+            return self.step_time.predict(base_rows + drafts, 1.0 - np.exp(misses))
 
+        miss = self._miss(np.arange(1, self.s.max_k + 2)) if self.s.is_moe else None
         gains = np.stack([self.acceptance.gains(r) for r in request_ids])
-        ks, rate = choose_ks(gains, caps_a, step_s, self.draft_s)
+        ks, rate = choose_ks(gains, caps_a, step_s, self.draft_s, miss)
         prev = np.array([min(self._previous.get(r, k), c) for r, k, c
                          in zip(request_ids, ks, caps_a)], dtype=np.int64)
-        if rate <= predicted_rate(prev, gains, step_s, self.draft_s) * (1 + self.s.hysteresis):
+        if rate <= predicted_rate(prev, gains, step_s, self.draft_s, miss) * (
+                1 + self.s.hysteresis):
             ks = prev
         ks = self._probe(request_ids, ks, caps_a)
-        self.predicted_step_s = float(step_s(np.array([int(ks.sum())]))[0])
+        self.predicted_step_s = _step_seconds(ks, step_s, miss)
         self._previous = dict(zip(request_ids, ks.tolist()))
         return dict(self._previous)
 

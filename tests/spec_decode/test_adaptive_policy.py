@@ -17,7 +17,7 @@ def _gains(rate: float, b: int, max_k: int = 8) -> np.ndarray:
 
 
 def _linear(c0: float, c1: float, base_rows: int):
-    return lambda drafts: c0 + c1 * (base_rows + np.asarray(drafts, dtype=float))
+    return lambda drafts, misses=None: c0 + c1 * (base_rows + np.asarray(drafts, dtype=float))
 
 
 def test_memory_bound_and_high_acceptance_drafts_deep():
@@ -100,3 +100,73 @@ def test_requests_held_at_zero_are_reprobed():
     _calibrated(p, 0.0, 0.001)  # compute-bound: speculation never pays
     chosen = [p.choose(["a"], [4], 1)["a"] for _ in range(9)]
     assert chosen == [0, 0, 1, 0, 0, 1, 0, 0, 1]
+
+
+# ---- MoE targets: the step time follows the experts the windows touch ----
+
+from specmoe.spec_decode.routing_overlap import (miss_log, segment_overlap,  # noqa: E402
+                                                 unique_fraction, window_experts)
+
+
+def test_window_experts_and_the_batch_union():
+    assert window_experts(1, 64, 8, 0.5) == 8
+    assert window_experts(5, 64, 8, 0.5) == 8 + 4 * 4
+    assert window_experts(40, 64, 8, 0.0) == 64           # capped at N
+    # two independent windows of one token: 1 - (1 - 8/64)^2 of the experts
+    assert unique_fraction([1, 1], 64, 8, 0.5) == pytest.approx(1 - (56 / 64) ** 2)
+    assert unique_fraction([1], 8, 8, 0.0) == pytest.approx(1.0)
+
+
+def test_segment_overlap_counts_only_adjacent_tokens_of_one_request():
+    import torch
+    ids = torch.tensor([[0, 1], [1, 2], [5, 6], [5, 6], [7, 0]])
+    # request A: rows 0-1 share expert 1 (1 of 2); request B: rows 2-3 share 2, rows 3-4 none
+    assert segment_overlap(ids, [2, 3]) == (3, 6)
+    assert segment_overlap(ids, [1, 1, 1, 1, 1]) == (0, 0)
+
+
+def _moe_step(c0: float, c_u: float, base_rows: int):
+    """A memory-bound MoE step: a fixed cost plus c_u x the share of experts touched."""
+    return lambda drafts, misses: c0 + c_u * (1 - np.exp(np.asarray(misses, dtype=float)))
+
+
+@pytest.mark.parametrize("overlap, deeper", [(0.9, True), (0.0, False)])
+def test_moe_drafts_deeper_when_adjacent_tokens_share_experts(overlap, deeper):
+    gains = _gains(0.7, 1)
+    step = _moe_step(0.002, 0.010, 1)
+    miss = miss_log(np.arange(1, 10), 64, 8, overlap)
+    ks, rate = choose_ks(gains, np.array([8]), step, 0.0005, miss)
+    assert rate == pytest.approx(predicted_rate(ks, gains, step, 0.0005, miss))
+    other = miss_log(np.arange(1, 10), 64, 8, 0.9 if overlap == 0.0 else 0.0)
+    ks_other, _ = choose_ks(gains, np.array([8]), step, 0.0005, other)
+    assert bool(ks[0] > ks_other[0]) is deeper
+
+
+def test_moe_choice_is_exhaustively_optimal():
+    gains = np.stack([np.cumprod(np.full(8, 0.9)), np.cumprod(np.full(8, 0.5))])
+    step = _moe_step(0.003, 0.008, 2)
+    miss = miss_log(np.arange(1, 10), 32, 4, 0.5)
+    ks, _ = choose_ks(gains, np.array([6, 8]), step, 0.0003, miss)
+    best = max(predicted_rate(np.array([a, b]), gains, step, 0.0003, miss)
+               for a in range(7) for b in range(9))
+    assert predicted_rate(ks, gains, step, 0.0003, miss) == pytest.approx(best)
+
+
+def test_moe_step_time_model_learns_the_expert_term():
+    m = StepTimeModel(window=64, min_steps=8, moe=True)
+    rng = np.random.default_rng(0)
+    for _ in range(32):
+        rows, frac = int(rng.integers(1, 40)), float(rng.uniform(0.1, 1.0))
+        m.observe(rows, 0.002 + 0.0001 * rows + 0.010 * frac, frac)
+    assert m.predict(10, 0.5) == pytest.approx(0.002 + 0.001 + 0.005, rel=1e-3)
+    assert m.coef[-1] == pytest.approx(0.010, rel=1e-3)
+
+
+def test_policy_measures_overlap_and_predicts_moe_steps():
+    p = AdaptivePolicy(AdaptiveSettings(max_k=4, num_experts=64, top_k=8, min_fit_steps=4))
+    assert p.overlap == 0.4
+    p.observe_overlap(0.8)
+    assert p.overlap == pytest.approx(0.8)  # the first measurement replaces the prior
+    assert p.unique_fraction([1]) == pytest.approx(8 / 64)
+    dense = AdaptivePolicy(AdaptiveSettings(max_k=4))
+    assert dense.unique_fraction([1, 5]) == 0.0

@@ -1,0 +1,118 @@
+"""What a verification window costs a MoE target: the distinct experts it touches, from the
+routing overlap between adjacent tokens, measured live on sampled engine steps.
+
+A request verifying t tokens (its last token and t - 1 drafts) routes each to k of N
+experts. With adjacent tokens sharing a fraction o of their experts, the window touches
+about u(t) = min(N, k + (t - 1) k (1 - o)) distinct experts (each new token brings its
+unshared k (1 - o); returns to older experts are ignored, an upper bound that is tight for
+the short windows of speculation). Requests route independently of each other, so a batch
+of windows t_1..t_B touches U = N (1 - prod_i (1 - u(t_i) / N)) expected experts per layer:
+the expert bytes a memory-bound MoE layer reads (the union the study's cost model uses,
+`analysis.cost_model`; Huang et al. 2025, MoESD, arXiv 2505.19645, sec. 3).
+
+Measuring o needs the router's choices, which the fused decoder driver does not hand back:
+`RoutingSampler` attaches a recorder to the MoE blocks for one step in `every` (that step
+runs the blocks as modules, so its time is left out of the step-time fit) and measures o
+over adjacent tokens within each request's rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specmoe.layers.moe.backends import moe_blocks
+from specmoe.layers.moe.stats import ExpertStatsRecorder
+
+
+def window_experts(tokens, num_experts: int, top_k: int, overlap: float):
+    """u(t): expected distinct experts of `tokens` adjacent tokens (a number or an array)."""
+    t = np.asarray(tokens, dtype=float)
+    return np.minimum(num_experts, top_k + np.maximum(t - 1, 0) * top_k * (1 - overlap))
+
+
+def miss_log(tokens, num_experts: int, top_k: int, overlap: float):
+    """log(1 - u(t)/N): the log-probability that a window of t tokens misses one expert."""
+    u = window_experts(tokens, num_experts, top_k, overlap)
+    return np.log(np.maximum(1.0 - u / num_experts, 1e-12))
+
+
+def unique_fraction(windows, num_experts: int, top_k: int, overlap: float) -> float:
+    """U / N of a batch of windows (tokens per request), in [0, 1]."""
+    return float(1.0 - np.exp(miss_log(windows, num_experts, top_k, overlap).sum()))
+
+
+def segment_overlap(ids: torch.Tensor, segments: list[int]) -> tuple[int, int]:
+    """(shared experts, adjacent pairs x k) over adjacent tokens inside each segment.
+
+    Args:
+        ids: [sum(segments), k] int64 routing of one MoE layer's forward, rows in order.
+        segments: each request's row count, in the forward's order.
+    """
+    shared = pairs = 0
+    start = 0
+    k = ids.shape[1]
+    for n in segments:
+        seg = ids[start:start + n]
+        start += n
+        if n < 2:
+            continue
+        same = (seg[1:, :, None] == seg[:-1, None, :]).any(-1)   # [n - 1, k]
+        shared += int(same.sum())
+        pairs += (n - 1) * k
+    return shared, pairs
+
+
+class _Tee:
+    """Records into two expert-stats recorders (the block's own and the sampler's)."""
+
+    def __init__(self, first, second) -> None:
+        self.first, self.second = first, second
+
+    def record(self, layer_idx: int, topk_ids: torch.Tensor,
+               topk_weights: torch.Tensor) -> None:
+        self.first.record(layer_idx, topk_ids, topk_weights)
+        self.second.record(layer_idx, topk_ids, topk_weights)
+
+
+class RoutingSampler:
+    """Measures adjacent-token routing overlap on one engine step in `every` (module
+    docstring). `begin()` before the step's forward, `end(segments)` after it."""
+
+    def __init__(self, model: torch.nn.Module, every: int = 64) -> None:
+        self.blocks = moe_blocks(model)
+        self.every = every
+        self._steps = 0
+        self._recorder: ExpertStatsRecorder | None = None
+        self._own: list = []
+
+    @property
+    def applies(self) -> bool:
+        return bool(self.blocks)
+
+    def begin(self) -> bool:
+        """Attach the recorder if this step is sampled; True when it is."""
+        self._steps += 1
+        if not self.blocks or self._steps % self.every:
+            return False
+        self._recorder = ExpertStatsRecorder()
+        self._own = [b.stats for b in self.blocks]
+        for block, own in zip(self.blocks, self._own):
+            block.stats = _Tee(own, self._recorder)
+        return True
+
+    def end(self, segments: list[int]) -> float | None:
+        """Give the blocks back their recorders; the step's overlap (None: not sampled, or
+        no request computed two adjacent tokens)."""
+        if self._recorder is None:
+            return None
+        for block, own in zip(self.blocks, self._own):
+            block.stats = own
+        routing, self._recorder = self._recorder.routing, None
+        shared = pairs = 0
+        for per_forward in routing.values():
+            ids = per_forward[-1]
+            if ids.shape[0] == sum(segments):
+                s, p = segment_overlap(ids, segments)
+                shared, pairs = shared + s, pairs + p
+        return shared / pairs if pairs else None

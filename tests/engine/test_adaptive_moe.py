@@ -1,0 +1,33 @@
+"""The adaptive policy on a MoE target (the bundled tiny-moe with its draft): routing
+overlap measured on sampled steps feeds the step-time model's expert term, the sampled
+steps give the blocks their own recorders back (the fused driver needs them), and greedy
+outputs stay those of plain decoding."""
+
+from __future__ import annotations
+
+import pytest
+
+from specmoe import LLM, SamplingParams
+from specmoe.layers.moe.backends import moe_blocks
+from specmoe.layers.moe.stats import NullExpertStats
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_adaptive_policy_measures_routing_overlap_on_a_moe_target():
+    plain = LLM("tiny-moe", dtype="float32")
+    spec = plain.with_speculative({"method": "draft", "draft_model": "tiny-moe-draft",
+                                   "num_speculative_tokens": 4, "policy": "adaptive"})
+    core = spec.engine
+    assert core.policy.s.is_moe and core.policy.step_time.moe
+    core.routing_sampler.every = 2
+    prompts = [[5 + i, 17, 42, 99, 7 + i] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in spec.generate(prompts, params)] == expected
+    assert core.policy._overlap_obs > 0 and 0.0 <= core.policy.overlap <= 1.0
+    assert all(type(b.stats) is NullExpertStats for b in moe_blocks(plain.target.model))
+    assert core.stats.num_step_time_predictions > 0
+    n = plain.target.arch.moe.num_experts
+    assert core.policy.unique_fraction([1]) == pytest.approx(
+        plain.target.arch.moe.top_k / n)
