@@ -308,13 +308,22 @@ def _speedup_rows(target: dict, pred: dict, cfg: dict) -> list[dict]:
                "engine_overhead_s": overhead}
         for label, key in (("forward_times", "measured_s"), ("cost_model", "predicted_s"),
                            ("amdahl", "amdahl_s")):
-            t_one = pred[name, b, 1][key]
-            t_verify = pred[name, b, k + 1][key]
             t_draft = pred["draft", b, 1]["measured_s" if label == "amdahl" else key]
-            row[f"{label}_speedup"] = (run["AL"] * (t_one + overhead)
-                                       / (t_verify + k * t_draft + (1 + k) * overhead))
+            row[f"{label}_speedup"] = predict_speedup(
+                run["AL"], k, pred[name, b, 1][key], pred[name, b, k + 1][key], t_draft,
+                overhead)
         out.append(row)
     return out
+
+
+def predict_speedup(tokens_per_step: float, k: int, t_one: float, t_verify: float,
+                    t_draft: float, overhead: float, draft_forwards: int | None = None
+                    ) -> float:
+    """S(B, K) of the module docstring: tokens per step x (Tt(B, 1) + o) over
+    (Tt(B, K + 1) + K Td(B, 1) + (1 + draft_forwards) o), all in seconds; draft_forwards
+    defaults to K (a draft model's forwards each cost a step's bookkeeping; n-gram: 0)."""
+    n = k if draft_forwards is None else draft_forwards
+    return tokens_per_step * (t_one + overhead) / (t_verify + k * t_draft + (1 + n) * overhead)
 
 
 def _errors(pred: list[float], measured: list[float]) -> dict:

@@ -1,5 +1,5 @@
 """The `specmoe` command line: `generate`, `demo`, `serve`, `bench`, `models` (install, list)
-`routing` (analyze) and `study`."""
+`routing` (analyze), `study` and `advise`."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from specmoe.entrypoints.args import (add_model_args, add_spec_args, apply_threa
                                       json_dict, llm_from_args, speculative_from_args)
 from specmoe.entrypoints.routing_cli import (add_routing_parser, check_trace_path, cmd_routing,
                                              generate_with_trace)
+from specmoe.entrypoints.advise_cli import add_advise_parser
 from specmoe.entrypoints.study_cli import add_study_parser
 from specmoe.entrypoints.models_cli import add_models_parser, cmd_models
 
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_routing_parser(sub)
     add_study_parser(sub)
+    add_advise_parser(sub)
     return parser
 
 
@@ -499,6 +501,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "study":
             from specmoe.entrypoints.study_cli import cmd_study
             return cmd_study(args)
+        elif args.command == "advise":
+            from specmoe.entrypoints.advise_cli import cmd_advise
+            return cmd_advise(args)
     except (FileNotFoundError, ValueError) as exc:
         print(f"specmoe: error: {exc}", file=sys.stderr)
         return 2

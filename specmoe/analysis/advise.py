@@ -1,0 +1,195 @@
+"""`specmoe advise`: will speculation pay on this model, draft and prompts, at which batch
+sizes, with which K? A few minutes of measurement on the user's own setup:
+
+1. acceptance: the target's greedy outputs on the prompts, replayed against the draft (its
+   teacher-forced argmax) or n-gram lookup for every K = 1..K_max at once
+   (`model_card.replay`: equal to the engine's accepted counts), giving tokens per
+   verification step;
+2. cost: Tt(B, T) for T = 1..K_max + 1 on the prompts' own text (`VerifyCostBench` with
+   token windows), the draft model's Td(B, 1), and the engine's time per plain step outside
+   the forward, from a few plain decode steps at each B;
+3. prediction: S(B, K) by `real_study.predict_speedup`, the best K per B (0 where nothing
+   beats plain decoding), and the `batch_size_table` that applies it.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+from dataclasses import asdict, dataclass, field
+
+from specmoe.analysis.model_card import (acceptance_curve, draft_acceptor,
+                                         ngram_acceptor)
+from specmoe.analysis.real_study import (RealStudyConfig, measure_forwards, predict_speedup,
+                                         timed_decode)
+
+MAX_BATCH = 4096  # the last range of the suggested table runs to here
+
+
+@dataclass
+class AdviseConfig:
+    """Settings of `advise`.
+
+    Attributes:
+        model: the target (alias or path).
+        draft: a draft model (alias or path) or "ngram".
+        prompts: prompt texts (None: Spec-Bench and MT-Bench prompts, alternately). Fewer
+            than max(batch_sizes) are reused for the larger batches, which undercounts the
+            experts a MoE batch touches (identical requests route identically).
+        num_prompts: prompts used when `prompts` is None (None: max(batch_sizes)).
+        batch_sizes: B to advise on, ascending.
+        max_k: the largest K considered.
+        max_tokens: greedy tokens per prompt for the acceptance replay.
+        overhead_tokens: tokens per request of the plain runs that time the engine's step.
+        reps: repetitions of every forward timing (min).
+        dtype, seed: the models' dtype; the engine's seed.
+    """
+
+    model: str
+    draft: str
+    prompts: list[str] | None = None
+    num_prompts: int | None = None
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
+    max_k: int = 8
+    max_tokens: int = 64
+    overhead_tokens: int = 8
+    reps: int = 2
+    dtype: str = "bfloat16"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError(f"invalid batch_sizes={self.batch_sizes}: need ints >= 1")
+        self.batch_sizes = sorted(set(self.batch_sizes))
+        if not 1 <= self.max_k <= 16:
+            raise ValueError(f"invalid max_k={self.max_k}: must be in 1..16")
+        if self.max_tokens < self.max_k + 2 or self.overhead_tokens < 2:
+            raise ValueError(f"max_tokens={self.max_tokens} must exceed max_k + 1 and "
+                             f"overhead_tokens={self.overhead_tokens} be >= 2")
+        if self.prompts is not None and not [p for p in self.prompts if p.strip()]:
+            raise ValueError("no non-empty prompt given")
+
+
+def _prompt_ids(llm, cfg: AdviseConfig) -> list[list[int]]:
+    if cfg.prompts is None:
+        from specmoe.analysis.real_study import e2e_prompts
+        n = cfg.num_prompts or max(cfg.batch_sizes)
+        study = RealStudyConfig(models=[cfg.model], e2e_batch_sizes=[n], batch_sizes=[n])
+        return e2e_prompts(llm.tokenizer, study)
+    out = []
+    for text in (p for p in cfg.prompts if p.strip()):
+        try:
+            text = llm.chat_prompt([{"role": "user", "content": text}])
+        except ValueError:  # no chat template: the raw text
+            pass
+        out.append(llm.tokenizer.encode(text, add_special_tokens=False))
+    return out
+
+
+def measure_acceptance(llm, draft_runner, prompts, outputs, max_k: int, lookup) -> list[dict]:
+    """tokens per step and 1 + accepted / drafts for K = 1..max_k (`acceptance_curve`)."""
+    if draft_runner is None:
+        acceptors = [ngram_acceptor(p, o, lookup) for p, o in zip(prompts, outputs)]
+    else:
+        acceptors = [draft_acceptor(draft_runner, p, o) for p, o in zip(prompts, outputs)]
+    return acceptance_curve(acceptors, [len(o) for o in outputs], max_k)
+
+
+def measure_overheads(llm, prompts, cfg: AdviseConfig, tt_one: dict[int, float]
+                      ) -> dict[int, float]:
+    """B -> the engine's seconds per plain decode step beyond Tt(B, 1) (>= 0)."""
+    from specmoe.sampling_params import SamplingParams
+    params = SamplingParams(max_tokens=cfg.overhead_tokens, temperature=0.0, ignore_eos=True)
+    out = {}
+    for b in cfg.batch_sizes:
+        batch = [prompts[i % len(prompts)] for i in range(b)]
+        per_step = [(run.seconds / max(run.steps, 1)) for run in
+                    (timed_decode(llm, batch, params) for _ in range(cfg.reps))]
+        out[b] = max(min(per_step) - tt_one[b], 0.0)
+    return out
+
+
+def advise(cfg: AdviseConfig, progress=None) -> dict:
+    """Everything in the module docstring, JSON-ready: {config, acceptance, rows, best,
+    batch_size_table}."""
+    from specmoe.config import SpeculativeConfig
+    from specmoe.engine.llm_engine import LLM
+    from specmoe.sampling_params import SamplingParams
+    say = progress or (lambda *_: None)
+    llm = LLM(cfg.model, dtype=cfg.dtype, seed=cfg.seed,
+              scheduler={"kv_cache_memory_bytes": 512 << 20})
+    spec = SpeculativeConfig(**({"method": "ngram"} if cfg.draft == "ngram" else
+                                {"method": "draft", "draft_model": cfg.draft}))
+    draft_llm = None if cfg.draft == "ngram" else llm.with_speculative(spec)
+    draft_runner = draft_llm.proposer.runner if draft_llm else None
+    prompts = _prompt_ids(llm, cfg)
+    say(f"greedy outputs of {len(prompts)} prompts")
+    outputs = [o.token_ids for o in llm.generate(prompts, SamplingParams(
+        max_tokens=cfg.max_tokens, temperature=0.0, ignore_eos=True))]
+    say("acceptance")
+    acceptance = measure_acceptance(llm, draft_runner, prompts, outputs, cfg.max_k,
+                                    (spec.prompt_lookup_min, spec.prompt_lookup_max))
+    say("Tt(B, T)")
+    windows = [p + o for p, o in zip(prompts, outputs)]
+    ctx = min(128, min(len(w) for w in windows) - cfg.max_k - 1)
+    if ctx < 4:
+        raise ValueError(f"a prompt and its {cfg.max_tokens} output tokens are too short for "
+                         f"windows of K_max + 1 = {cfg.max_k + 1} tokens: raise max_tokens")
+    grid_cfg = RealStudyConfig(models=[cfg.model], batch_sizes=cfg.batch_sizes,
+                               num_tokens=list(range(1, cfg.max_k + 2)),
+                               e2e_batch_sizes=cfg.batch_sizes, ks=list(range(1, cfg.max_k + 1)),
+                               reps=cfg.reps, context_len=ctx, seed=cfg.seed)
+    tt = {(p["B"], p["T"]): p["min_s"] for p in measure_forwards(
+        llm.target, windows, grid_cfg, grid_cfg.num_tokens)}
+    td = ({p["B"]: p["min_s"] for p in measure_forwards(draft_runner, windows, grid_cfg, [1])}
+          if draft_runner is not None else {b: 0.0 for b in cfg.batch_sizes})
+    say("engine time per step")
+    overhead = measure_overheads(llm, prompts, cfg, {b: tt[b, 1] for b in cfg.batch_sizes})
+    del llm, draft_llm, draft_runner
+    gc.collect()
+    rows = [{"B": b, "K": a["k"], "tokens_per_step": a["tokens_per_step"],
+             "predicted_speedup": predict_speedup(
+                 a["tokens_per_step"], a["k"], tt[b, 1], tt[b, a["k"] + 1], td[b],
+                 overhead[b], None if cfg.draft != "ngram" else 0),
+             "Tt_1_s": tt[b, 1], "Tt_K+1_s": tt[b, a["k"] + 1], "Td_1_s": td[b],
+             "engine_overhead_s": overhead[b]}
+            for b in cfg.batch_sizes for a in acceptance]
+    best = best_k(rows)
+    return {"config": asdict(cfg), "context_len": ctx, "acceptance": acceptance,
+            "rows": rows, "best": best, "batch_size_table": batch_size_table(best)}
+
+
+def best_k(rows: list[dict]) -> dict[int, dict]:
+    """B -> {K, predicted_speedup} of the fastest K, K = 0 (speedup 1) where none beats
+    plain decoding."""
+    out = {}
+    for b in sorted({r["B"] for r in rows}):
+        top = max((r for r in rows if r["B"] == b), key=lambda r: r["predicted_speedup"])
+        out[b] = ({"K": top["K"], "predicted_speedup": top["predicted_speedup"]}
+                  if top["predicted_speedup"] > 1.0 else {"K": 0, "predicted_speedup": 1.0})
+    return out
+
+
+def batch_size_table(best: dict[int, dict]) -> dict[str, int]:
+    """vLLM-style ranges: each measured B holds up to the next one, the last to MAX_BATCH;
+    neighbouring ranges with the same K merged."""
+    bs = sorted(best)
+    ranges: list[list[int]] = []
+    for i, b in enumerate(bs):
+        hi = bs[i + 1] - 1 if i + 1 < len(bs) else MAX_BATCH
+        lo = 1 if i == 0 else b
+        k = best[b]["K"]
+        if ranges and ranges[-1][2] == k:
+            ranges[-1][1] = hi
+        else:
+            ranges.append([lo, hi, k])
+    return {f"{lo}-{hi}": k for lo, hi, k in ranges}
+
+
+def median_error(predicted: dict[tuple[int, int], float],
+                 measured: dict[tuple[int, int], float]) -> float:
+    """Median |predicted - measured| / measured over the (B, K) both have."""
+    keys = sorted(set(predicted) & set(measured))
+    if not keys:
+        raise ValueError("no (B, K) in common")
+    return statistics.median(abs(predicted[k] - measured[k]) / measured[k] for k in keys)

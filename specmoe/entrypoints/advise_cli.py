@@ -1,0 +1,91 @@
+"""`specmoe advise`: the command line of `analysis.advise`, with a table and the
+batch-size table to paste into a config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from specmoe.entrypoints.args import apply_threads, comma_list
+
+
+def add_advise_parser(sub) -> None:
+    from specmoe.analysis.advise import AdviseConfig
+    d = AdviseConfig(model="", draft="")
+    p = sub.add_parser("advise", help="will speculation pay on my model, draft and prompts? "
+                       "best K per batch size and a batch_size_table, measured in minutes")
+    p.add_argument("--model", required=True, help="target model: alias or path")
+    p.add_argument("--draft", required=True, help="draft model (alias or path) or 'ngram'")
+    p.add_argument("--prompts", default=None,
+                   help="a .txt file (one prompt per line) or .jsonl (a 'prompt' or 'text' "
+                        "field per line); default: Spec-Bench and MT-Bench prompts")
+    p.add_argument("--batch-sizes", type=comma_list(int),
+                   default=",".join(map(str, d.batch_sizes)),
+                   help="batch sizes to advise on (default: %(default)s)")
+    p.add_argument("--max-k", type=int, default=d.max_k, help="largest K (default: 8)")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens,
+                   help="greedy tokens per prompt for the acceptance replay (default: 64)")
+    p.add_argument("--reps", type=int, default=d.reps,
+                   help="repetitions of every timing (default: %(default)s)")
+    p.add_argument("--dtype", default=d.dtype, choices=["bfloat16", "float32"])
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--out", default=None, help="also write advice.json here (a directory)")
+
+
+def read_prompts(path: str) -> list[str]:
+    """Prompt texts of a .txt (a line each) or .jsonl file ('prompt' or 'text' field).
+
+    Raises:
+        ValueError: no such file, a bad JSON line, a line without a prompt, or no prompt.
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"--prompts {path}: no such file")
+    lines = [ln for ln in file.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    if file.suffix != ".jsonl":
+        prompts = lines
+    else:
+        prompts = []
+        for i, line in enumerate(lines, 1):
+            try:
+                row = json.loads(line)
+            except ValueError as exc:
+                raise ValueError(f"--prompts {path}, line {i}: not JSON ({exc})") from exc
+            text = row.get("prompt", row.get("text")) if isinstance(row, dict) else None
+            if not isinstance(text, str):
+                raise ValueError(f"--prompts {path}, line {i}: no 'prompt' or 'text' string")
+            prompts.append(text)
+    if not prompts:
+        raise ValueError(f"--prompts {path}: no prompt in it")
+    return prompts
+
+
+def cmd_advise(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from specmoe.analysis.advise import AdviseConfig, advise
+    apply_threads(args)
+    cfg = AdviseConfig(model=args.model, draft=args.draft,
+                       prompts=read_prompts(args.prompts) if args.prompts else None,
+                       batch_sizes=args.batch_sizes, max_k=args.max_k,
+                       max_tokens=args.max_tokens, reps=args.reps, dtype=args.dtype)
+    console = Console(stderr=True)
+    result = advise(cfg, lambda msg: console.print(f"[bold]{msg}[/]"))
+    table = Table(title=f"{cfg.model} with {cfg.draft}: predicted speedup over plain")
+    for col in ("B", "best K", "speedup", "pays", *(f"K={a['k']}" for a in result["acceptance"])):
+        table.add_column(col)
+    for b, best in result["best"].items():
+        cells = [f"{r['predicted_speedup']:.2f}" for r in result["rows"] if r["B"] == b]
+        table.add_row(str(b), str(best["K"]), f"{best['predicted_speedup']:.2f}x",
+                      "yes" if best["K"] else "no", *cells)
+    Console().print(table)
+    tps = ", ".join(f"K={a['k']} {a['tokens_per_step']:.2f}" for a in result["acceptance"])
+    print(f"tokens per verification step: {tps}")
+    print("batch_size_table: " + json.dumps(result["batch_size_table"]))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "advice.json").write_text(json.dumps(result, indent=1))
+        print(f"advice: {out / 'advice.json'}")
+    return 0
