@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass, field
 
 from specmoe.analysis.model_card import (acceptance_curve, draft_acceptor,
                                          ngram_acceptor)
-from specmoe.analysis.real_study import (RealStudyConfig, measure_forwards, predict_speedup,
-                                         timed_decode)
+from specmoe.analysis.real_study import (RealStudyConfig, chat_ids, measure_forwards,
+                                         predict_speedup, timed_decode)
 
 MAX_BATCH = 4096  # the last range of the suggested table runs to here
 
@@ -75,15 +75,8 @@ def _prompt_ids(llm, cfg: AdviseConfig) -> list[list[int]]:
         from specmoe.analysis.real_study import e2e_prompts
         n = cfg.num_prompts or max(cfg.batch_sizes)
         study = RealStudyConfig(models=[cfg.model], e2e_batch_sizes=[n], batch_sizes=[n])
-        return e2e_prompts(llm.tokenizer, study)
-    out = []
-    for text in (p for p in cfg.prompts if p.strip()):
-        try:
-            text = llm.chat_prompt([{"role": "user", "content": text}])
-        except ValueError:  # no chat template: the raw text
-            pass
-        out.append(llm.tokenizer.encode(text, add_special_tokens=False))
-    return out
+        return e2e_prompts(llm, study)
+    return [chat_ids(llm, p) for p in cfg.prompts if p.strip()]
 
 
 def measure_acceptance(llm, draft_runner, prompts, outputs, max_k: int, lookup) -> list[dict]:

@@ -102,14 +102,27 @@ def token_windows(tokenizer, cfg: RealStudyConfig) -> list[list[int]]:
                                cfg.context_len + max(cfg.num_tokens), cfg.seed).tolist()
 
 
-def e2e_prompts(tokenizer, cfg: RealStudyConfig) -> list[list[int]]:
-    """max(e2e B) chat prompts, Spec-Bench and MT-Bench alternately, as token ids cut to
-    `prompt_tokens` (the same ids for every target: they share the tokenizer)."""
+def e2e_prompts(llm, cfg: RealStudyConfig) -> list[list[int]]:
+    """max(e2e B) distinct chat prompts, Spec-Bench's own tasks (its categories in turn) and
+    MT-Bench alternately, in the model's chat template, as token ids cut to `prompt_tokens`
+    (the same ids for every target of one tokenizer). Distinct: identical requests would
+    route identically and undercount the experts a MoE batch touches."""
+    from specmoe.bench.throughput import SPEC_BENCH_CATEGORIES, round_robin
     from specmoe.utils.data import load_prompts
     n = max(cfg.e2e_batch_sizes)
-    sets = [load_prompts(ds, n) for ds in ("spec_bench", "mt_bench")]
+    sets = [round_robin(load_prompts("spec_bench", categories=SPEC_BENCH_CATEGORIES), n),
+            load_prompts("mt_bench", n)]
     texts = [p.text for pair in zip(*sets) for p in pair][:n]
-    return [tokenizer.encode(t)[:cfg.prompt_tokens] for t in texts]
+    return [chat_ids(llm, t)[:cfg.prompt_tokens] for t in texts]
+
+
+def chat_ids(llm, text: str) -> list[int]:
+    """`text` as one user message in the model's chat template (raw without one), as ids."""
+    try:
+        text = llm.chat_prompt([{"role": "user", "content": text}])
+    except ValueError:  # no chat template: the raw text
+        pass
+    return llm.tokenizer.encode(text, add_special_tokens=False)
 
 
 def measure_forwards(runner, windows, cfg: RealStudyConfig, num_tokens: list[int],
@@ -213,7 +226,7 @@ def measure_target(model: str, cfg: RealStudyConfig, progress=None) -> dict:
     say(f"Td(B, 1) of {cfg.draft}")
     draft_grid = measure_forwards(spec.proposer.runner, windows, cfg, [1])
     say(f"end to end: {model} with {cfg.draft}")
-    e2e = measure_e2e(plain, spec, e2e_prompts(plain.tokenizer, cfg), cfg)
+    e2e = measure_e2e(plain, spec, e2e_prompts(plain, cfg), cfg)
     arch = plain.target.arch
     out = {"model": model, "arch": arch_summary(arch), "points": grid,
            "draft_points": draft_grid, "e2e": e2e,

@@ -143,7 +143,7 @@ def build_prompts(cfg: ThroughputBenchConfig, llm) -> list[dict]:
     "category", "token_ids"}, the chat template applied when the model has one (HumanEval
     stays raw)."""
     pool = max(cfg.num_requests, max(cfg.concurrency))
-    per_set = [_round_robin(_load(d, cfg.spec_bench_categories), -(-pool // len(cfg.datasets)))
+    per_set = [round_robin(_load(d, cfg.spec_bench_categories), -(-pool // len(cfg.datasets)))
                for d in cfg.datasets]
     out = []
     for i in range(max(len(p) for p in per_set)):
@@ -171,7 +171,7 @@ def _load(dataset: str, spec_bench_categories: list[str] = SPEC_BENCH_CATEGORIES
     return load_prompts(dataset)
 
 
-def _round_robin(prompts: list, n: int) -> list:
+def round_robin(prompts: list, n: int) -> list:
     """n prompts taking the categories in turn (file order within each)."""
     by_cat: dict[str, list] = {}
     for p in prompts:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from specmoe.bench.throughput import (STEP_FIELDS, ThroughputBenchConfig, _round_robin,
+from specmoe.bench.throughput import (STEP_FIELDS, ThroughputBenchConfig, round_robin,
                                       aggregate, is_decode_step, percentile, ratios, slowest_steps,
                                       target_line, waves_for)
 from specmoe.bench.throughput_report import caveats, markdown, target_sentence, write_report
@@ -135,8 +135,8 @@ def test_prompt_helpers():
     assert waves_for(8, 4, 4) == [[0, 1, 2, 3]]
     assert waves_for(3, 7, 2) == [[0, 1, 2, 0, 1, 2, 0]]   # prompts cycled
     ps = [Prompt("x", c, f"{c}{i}") for c in "ab" for i in range(3)]
-    assert [p.text for p in _round_robin(ps, 4)] == ["a0", "b0", "a1", "b1"]
-    assert len(_round_robin(ps, 10)) == 6
+    assert [p.text for p in round_robin(ps, 4)] == ["a0", "b0", "a1", "b1"]
+    assert len(round_robin(ps, 10)) == 6
 
 
 def test_config_validation():
