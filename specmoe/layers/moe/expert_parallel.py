@@ -1,0 +1,157 @@
+"""Expert parallelism: a MoE layer's routed experts sharded over the ranks of a
+`torch.distributed` process group, and the two ways tokens reach them.
+
+- `ExpertMap`: which rank holds each logical expert (contiguous blocks, or balanced from
+  measured load: the idea of DeepSeek's EPLB, greedily, with equal expert counts per rank).
+- `combine_replicated`: every rank holds the whole batch and its routing; it runs only its
+  own experts on the (token, slot) pairs routed to them, and one `all_reduce` sums the
+  partial outputs (vLLM's naive expert parallelism: one engine, one scheduler).
+- `combine_all_to_all`: each rank holds its own tokens; (token, slot) pairs are sorted by
+  the rank holding their expert, counts exchanged, rows, expert ids and gate weights sent
+  with `all_to_all_single` (uneven splits), computed there, and the weighted outputs sent
+  back and summed per token (the Megatron-LM / DeepSpeed-MoE dispatch and combine).
+
+Both return, per token, sum_j w_j expert_{id_j}(x): the single-process MoE output. Each
+rank's experts run through `run_local(rows, local_index) -> [rows, H]` (e.g. a
+`RoutedExperts` holding only the rank's experts), once per local expert on its rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ExpertMap:
+    """placement[e]: the rank that holds logical expert e; a rank's experts keep logical
+    order, so its local index of e is e's position among them.
+
+    Raises:
+        ValueError: a placement naming a rank outside 0..num_ranks - 1, or a rank with none.
+    """
+
+    num_ranks: int
+    placement: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        bad = [r for r in self.placement if not 0 <= r < self.num_ranks]
+        if bad or self.num_ranks < 1:
+            raise ValueError(f"invalid placement {self.placement} for {self.num_ranks} ranks")
+        empty = sorted(set(range(self.num_ranks)) - set(self.placement))
+        if empty:
+            raise ValueError(f"ranks {empty} hold no expert: need num_experts >= num_ranks")
+
+    @classmethod
+    def contiguous(cls, num_experts: int, num_ranks: int) -> "ExpertMap":
+        """Rank r holds experts [r N / R, (r + 1) N / R)."""
+        return cls(num_ranks, tuple(e * num_ranks // num_experts for e in range(num_experts)))
+
+    @classmethod
+    def balanced(cls, load: list[float], num_ranks: int) -> "ExpertMap":
+        """Heaviest expert first onto the least-loaded rank that still has room for its
+        share (ceil(N / R) experts), so ranks carry similar token loads."""
+        n = len(load)
+        room = -(-n // num_ranks)
+        totals, counts, placement = [0.0] * num_ranks, [0] * num_ranks, [0] * n
+        for e in sorted(range(n), key=lambda i: (-load[i], i)):
+            r = min((r for r in range(num_ranks) if counts[r] < room),
+                    key=lambda r: (totals[r], r))
+            placement[e] = r
+            totals[r] += load[e]
+            counts[r] += 1
+        return cls(num_ranks, tuple(placement))
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.placement)
+
+    def local_experts(self, rank: int) -> list[int]:
+        """Logical ids of the experts `rank` holds, ascending."""
+        return [e for e, r in enumerate(self.placement) if r == rank]
+
+    def local_index(self, rank: int) -> torch.Tensor:
+        """[N] int64: each logical expert's index among `rank`'s experts, -1 elsewhere."""
+        out = torch.full((self.num_experts,), -1, dtype=torch.int64)
+        mine = self.local_experts(rank)
+        out[mine] = torch.arange(len(mine))
+        return out
+
+    def rank_loads(self, load: list[float]) -> list[float]:
+        """Tokens each rank would serve under this map, from per-expert loads."""
+        totals = [0.0] * self.num_ranks
+        for e, r in enumerate(self.placement):
+            totals[r] += load[e]
+        return totals
+
+
+def _run_pairs(run_local, x_rows: torch.Tensor, local_ids: torch.Tensor,
+               weights: torch.Tensor) -> torch.Tensor:
+    """weights[i] * expert_{local_ids[i]}(x_rows[i]) for every pair, each expert once on
+    its rows."""
+    out = torch.zeros_like(x_rows)
+    for e in torch.unique(local_ids).tolist():
+        rows = (local_ids == e).nonzero().squeeze(1)
+        y = run_local(x_rows[rows], e)
+        out[rows] = (y.float() * weights[rows, None].float()).to(out.dtype)
+    return out
+
+
+def combine_replicated(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                       run_local, emap: ExpertMap, group=None) -> torch.Tensor:
+    """The MoE output with every rank holding the whole batch (module docstring).
+
+    Args:
+        x: [T, H] the tokens (identical on every rank).
+        topk_ids: [T, k] int64 logical experts; topk_weights: [T, k] gate weights.
+        run_local: (rows [m, H], local expert index) -> [m, H], this rank's experts.
+        emap: the expert placement.
+        group: the process group (None: the default).
+    Returns:
+        [T, H], the same on every rank.
+    """
+    rank = dist.get_rank(group)
+    local = emap.local_index(rank).to(topk_ids.device)[topk_ids]       # [T, k]
+    tok, slot = (local >= 0).nonzero(as_tuple=True)
+    out = torch.zeros_like(x)
+    if tok.numel():
+        y = _run_pairs(run_local, x[tok], local[tok, slot], topk_weights[tok, slot])
+        out.index_add_(0, tok, y)
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def combine_all_to_all(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                       run_local, emap: ExpertMap, group=None) -> torch.Tensor:
+    """The MoE output of this rank's own tokens, dispatched to the ranks holding their
+    experts and combined back (module docstring). Arguments as `combine_replicated`, but
+    x, topk_ids and topk_weights are this rank's tokens only (any count, 0 included).
+
+    Returns:
+        [T, H] for this rank's tokens.
+    """
+    world = dist.get_world_size(group)
+    placement = torch.tensor(emap.placement, device=topk_ids.device)
+    k = topk_ids.shape[1]
+    dest = placement[topk_ids].reshape(-1)                              # [T k]
+    order = torch.argsort(dest, stable=True)
+    tok = order // k
+    send = torch.bincount(dest, minlength=world)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    send_splits, recv_splits = send.tolist(), recv.tolist()
+    locals_ = torch.stack([emap.local_index(r) for r in range(world)]).to(topk_ids.device)
+    ids_out = locals_[dest[order], topk_ids.reshape(-1)[order]]
+    payload = torch.cat([x[tok].float(), topk_weights.reshape(-1)[order, None].float(),
+                         ids_out[:, None].float()], dim=1)                 # [P, H + 2]
+    got = payload.new_empty((sum(recv_splits), payload.shape[1]))
+    dist.all_to_all_single(got, payload, recv_splits, send_splits, group=group)
+    rows, w, ids = got[:, :-2].to(x.dtype), got[:, -2], got[:, -1].long()
+    y = _run_pairs(run_local, rows, ids, w) if got.shape[0] else rows
+    back = y.new_empty((tok.numel(), x.shape[1]))
+    dist.all_to_all_single(back, y.contiguous(), send_splits, recv_splits, group=group)
+    out = torch.zeros_like(x)
+    out.index_add_(0, tok, back)
+    return out
