@@ -197,7 +197,8 @@ def measure_e2e(plain, spec, prompts: list[list[int]], cfg: RealStudyConfig,
     params = {k: SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0, ignore_eos=True,
                                 **({"num_speculative_tokens": k} if k else {}))
               for k in modes}
-    timed_decode(spec, prompts[:2], params[max(cfg.ks)])  # warm-up: kernels, allocator
+    for llm, k in ((plain, 0), (spec, max(cfg.ks))):  # warm-up: kernels, allocator
+        timed_decode(llm, prompts[:2], params[k])
     runs: dict[tuple[int, int], list[DecodeRun]] = {}
     for rep in range(cfg.e2e_reps):
         for b in cfg.e2e_batch_sizes:
