@@ -35,7 +35,7 @@ import torch
 
 # Values of `general.architecture` this module reads. Mixtral-style MoE GGUFs use `llama`
 # with `llama.expert_count` > 0.
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen2moe", "qwen3moe", "olmoe")
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "olmoe")
 
 _GGUF_MAGIC = b"GGUF"
 
@@ -108,6 +108,7 @@ _FAMILIES: dict[str, _Family] = {
     "qwen2moe": _Family(
         "Qwen2MoeForCausalLM", "qwen2_moe", _ATTENTION | _DENSE_MLP | _ROUTER | _SHARED_EXPERT, _EXPERTS, False
     ),
+    "qwen3": _Family("Qwen3ForCausalLM", "qwen3", _ATTENTION | _QK_NORM | _DENSE_MLP, {}, False),
     "qwen3moe": _Family(
         "Qwen3MoeForCausalLM", "qwen3_moe", _ATTENTION | _QK_NORM | _DENSE_MLP | _ROUTER, _EXPERTS, False
     ),

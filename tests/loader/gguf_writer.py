@@ -68,7 +68,7 @@ _EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.expert
 
 # GGUF architecture per test arch name ("mixtral" is written as llama.cpp does: arch llama).
 GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen2moe": "qwen2moe",
-             "qwen3moe": "qwen3moe", "olmoe": "olmoe"}
+             "qwen3": "qwen3", "qwen3moe": "qwen3moe", "olmoe": "olmoe"}
 
 TOKEN_CONTROL = 3  # gguf.TokenType.CONTROL
 TOKEN_NORMAL = 1
@@ -138,7 +138,8 @@ def write_gguf_from_hf(
     """Write `model` (a transformers CausalLM) to a GGUF file at `path`.
 
     Args:
-        arch: one of `GGUF_ARCH` ("llama", "mixtral", "qwen2", "qwen2moe", "qwen3moe", "olmoe").
+        arch: one of `GGUF_ARCH` ("llama", "mixtral", "qwen2", "qwen2moe", "qwen3", "qwen3moe",
+            "olmoe").
         quantized: GGUF tensor name -> quantisation type (e.g. Q8_0); others are F32.
         extra_tensors: extra GGUF tensors to write as F32 (to test unknown names).
         with_tokenizer: write a tiny byte-level BPE ("gpt2") tokenizer (needs vocab >= 100).

@@ -48,6 +48,8 @@ def _config(case: str) -> transformers.PretrainedConfig:
             intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
             num_experts=4, **_MOE, **_COMMON,
         )
+    if case == "qwen3":
+        return transformers.Qwen3Config(intermediate_size=96, head_dim=32, **_COMMON)
     if case == "qwen3moe":
         return transformers.Qwen3MoeConfig(
             intermediate_size=96, moe_intermediate_size=32, num_experts=4, head_dim=32,
@@ -60,11 +62,13 @@ def _config(case: str) -> transformers.PretrainedConfig:
     raise KeyError(case)
 
 
-_CASES = ["llama_untied", "llama_tied", "qwen2", "qwen2moe", "qwen3moe", "mixtral", "olmoe"]
+_CASES = ["llama_untied", "llama_tied", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "mixtral",
+          "olmoe"]
 _ARCH = {"llama_untied": "llama", "llama_tied": "llama"}
 _HF_ARCHITECTURE = {
     "llama_untied": "LlamaForCausalLM", "llama_tied": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-    "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM",
 }
 

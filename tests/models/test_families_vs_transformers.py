@@ -53,6 +53,8 @@ def _config(case: str) -> transformers.PretrainedConfig:
         return transformers.MistralConfig(**base, sliding_window=8)
     if case == "qwen2":
         return transformers.Qwen2Config(**base)
+    if case == "qwen3":
+        return transformers.Qwen3Config(**base, head_dim=24)
     if case == "mixtral":
         return transformers.MixtralConfig(**base, num_local_experts=4, num_experts_per_tok=2)
     if case == "qwen2_moe_sparse_step":
@@ -74,7 +76,7 @@ def _config(case: str) -> transformers.PretrainedConfig:
 
 
 CASES = ["llama_tied_llama3_rope", "llama_linear_rope", "mistral_sliding_window", "qwen2",
-         "mixtral", "qwen2_moe_sparse_step", "qwen3_moe_norm_topk",
+         "qwen3", "mixtral", "qwen2_moe_sparse_step", "qwen3_moe_norm_topk",
          "qwen3_moe_no_norm_topk_mlp_only", "olmoe"]
 
 
@@ -252,3 +254,20 @@ def test_greedy_draft_model_speculation_is_lossless(family: Family, hf_greedy: l
     assert stats.num_draft_tokens > 0
     # The draft is the target itself, so (up to fp32 near-ties) every draft is accepted.
     assert stats.acceptance_rate > 0.9, stats.to_dict()
+
+
+def test_qwen3_dense_drafts_for_a_qwen3_moe_target(tmp_path):
+    """The pairing users run: a Qwen3 dense draft (same vocabulary) for a Qwen3-MoE target;
+    greedy output with it equals the target's plain greedy output."""
+    paths = {}
+    for case in ("qwen3_moe_norm_topk", "qwen3"):
+        torch.manual_seed(1)
+        model = transformers.AutoModelForCausalLM.from_config(_config(case)).eval()
+        paths[case] = tmp_path / case
+        model.save_pretrained(paths[case])
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    plain = LLM(str(paths["qwen3_moe_norm_topk"]), dtype="float32")
+    spec = plain.with_speculative({"method": "draft", "draft_model": str(paths["qwen3"]),
+                                   "num_speculative_tokens": 3})
+    (want,), (got,) = plain.generate([_prompt()], params), spec.generate([_prompt()], params)
+    assert got.token_ids == want.token_ids and got.spec_stats.num_draft_tokens > 0
