@@ -215,9 +215,14 @@ def plot_ratio_vs_b(results: dict, path: Path) -> None:
             name = target["model"]
             ax.plot(cfg["batch_sizes"], [ratio(fw, name, b, t) for b in cfg["batch_sizes"]],
                     style, marker="o", ms=3, color=f"C{t_i}", label=f"{name}, T={t}")
+    _finish_b_plot(fig, ax, "Tt(B, T) / Tt(B, 1)", path)
+
+
+def _finish_b_plot(fig, ax, ylabel: str, path: Path) -> None:
+    """Log2 batch-size axis, labels, grid and legend; saved to `path` and closed."""
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size B")
-    ax.set_ylabel("Tt(B, T) / Tt(B, 1)")
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -237,14 +242,7 @@ def plot_speedup_vs_b(results: dict, path: Path) -> None:
         ax.plot(list(pred), [r["cost_model_speedup"] for r in pred.values()], "--",
                 color=f"C{i}", label=f"{name} cost model")
     ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size B")
-    ax.set_ylabel("best-K speedup")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish_b_plot(fig, ax, "best-K speedup", path)
 
 
 def plot_predicted_vs_measured(results: dict, path: Path) -> None:
