@@ -1,6 +1,8 @@
 """Expert parallelism over 2 gloo processes on 127.0.0.1: both dispatch modes give the
 single-process MoE output (fp32) at T = 1, 5, 17, 80 tokens, under uneven routing, with a
-rank that receives no token, and with no token at all on a rank; expert maps."""
+rank that receives no token, and with no token at all on a rank; the bundled tiny-moe under
+EP=2 gives the single-process logits and, with speculation, the same greedy tokens; expert
+maps."""
 
 from __future__ import annotations
 
@@ -56,10 +58,12 @@ def _worker(rank: int, port: int, results) -> None:
     try:
         experts = _experts()
         for emap in (ExpertMap.contiguous(N, 2), ExpertMap.balanced([5, 1, 1, 4, 2, 3], 2)):
-            mine = emap.local_experts(rank)
+            mine = set(emap.local_experts(rank))
 
-            def run_local(rows, e, mine=mine):   # only this rank's experts are used
-                return experts.expert_forward(mine[e], rows)
+            def run_local(rows, ids, mine=mine):   # only this rank's experts may be asked
+                assert set(ids.tolist()) <= mine
+                return torch.cat([experts.expert_forward(int(e), rows[i:i + 1])
+                                  for i, e in enumerate(ids)])
             for t in (1, 5, 17, 80):
                 for uneven in (False, True):
                     x, ids, w = _routing(t, uneven, seed=t)
@@ -69,11 +73,30 @@ def _worker(rank: int, port: int, results) -> None:
                     own = torch.arange(rank, t, 2)     # rank 1 has no token at T = 1
                     got = combine_all_to_all(x[own], ids[own], w[own], run_local, emap)
                     torch.testing.assert_close(got, ref[own], rtol=1e-5, atol=1e-5)
+        _tiny_moe_under_ep(rank)
         results.put((rank, "ok"))
     except Exception as exc:  # noqa: BLE001 - reported to the test
         results.put((rank, repr(exc)))
     finally:
         dist.destroy_process_group()
+
+
+def _tiny_moe_under_ep(rank: int) -> None:
+    from specmoe import LLM, SamplingParams
+    from specmoe.layers.moe.expert_parallel import set_expert_parallel
+    plain = LLM("tiny-moe", dtype="float32")
+    spec = plain.with_speculative({"method": "draft", "draft_model": "tiny-moe-draft",
+                                   "num_speculative_tokens": 3})
+    prompt = [5, 17, 42, 99, 7, 23, 11]
+    runner = plain.target
+    want_logits = runner.forward(runner.new_cache(32), prompt)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = plain.generate([prompt], params)[0].token_ids
+    n = runner.arch.moe.num_experts
+    set_expert_parallel(runner.model, ExpertMap.contiguous(n, 2))
+    got_logits = runner.forward(runner.new_cache(32), prompt)
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-5)
+    assert spec.generate([prompt], params)[0].token_ids == want
 
 
 def _free_port() -> int:

@@ -11,9 +11,11 @@
   with `all_to_all_single` (uneven splits), computed there, and the weighted outputs sent
   back and summed per token (the Megatron-LM / DeepSpeed-MoE dispatch and combine).
 
-Both return, per token, sum_j w_j expert_{id_j}(x): the single-process MoE output. Each
-rank's experts run through `run_local(rows, local_index) -> [rows, H]` (e.g. a
-`RoutedExperts` holding only the rank's experts), once per local expert on its rows.
+Both return, per token, sum_j w_j expert_{id_j}(x): the single-process MoE output, summed
+in float32. Each rank's experts run through `run_local(rows [m, H], expert_ids [m]) ->
+[m, H]` (unweighted outputs of the rank's own experts, logical ids), e.g. the block's expert
+backend on the pairs as tokens with one expert each, so the fused MoE kernel runs them.
+`set_expert_parallel` puts a model's MoE blocks in replicated mode.
 """
 
 from __future__ import annotations
@@ -87,16 +89,12 @@ class ExpertMap:
         return totals
 
 
-def _run_pairs(run_local, x_rows: torch.Tensor, local_ids: torch.Tensor,
-               weights: torch.Tensor) -> torch.Tensor:
-    """weights[i] * expert_{local_ids[i]}(x_rows[i]) for every pair, each expert once on
-    its rows."""
-    out = torch.zeros_like(x_rows)
-    for e in torch.unique(local_ids).tolist():
-        rows = (local_ids == e).nonzero().squeeze(1)
-        y = run_local(x_rows[rows], e)
-        out[rows] = (y.float() * weights[rows, None].float()).to(out.dtype)
-    return out
+def _weighted(run_local, rows: torch.Tensor, ids: torch.Tensor,
+              weights: torch.Tensor) -> torch.Tensor:
+    """float32 weights[i] * expert_{ids[i]}(rows[i]) for every pair ([m, H])."""
+    if not rows.shape[0]:
+        return rows.float()
+    return run_local(rows, ids).float() * weights[:, None].float()
 
 
 def combine_replicated(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -106,21 +104,20 @@ def combine_replicated(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     Args:
         x: [T, H] the tokens (identical on every rank).
         topk_ids: [T, k] int64 logical experts; topk_weights: [T, k] gate weights.
-        run_local: (rows [m, H], local expert index) -> [m, H], this rank's experts.
+        run_local: (rows [m, H], logical expert ids [m] of this rank's experts) -> [m, H].
         emap: the expert placement.
         group: the process group (None: the default).
     Returns:
-        [T, H], the same on every rank.
+        [T, H] in x's dtype, the same on every rank.
     """
     rank = dist.get_rank(group)
-    local = emap.local_index(rank).to(topk_ids.device)[topk_ids]       # [T, k]
-    tok, slot = (local >= 0).nonzero(as_tuple=True)
-    out = torch.zeros_like(x)
-    if tok.numel():
-        y = _run_pairs(run_local, x[tok], local[tok, slot], topk_weights[tok, slot])
-        out.index_add_(0, tok, y)
+    placement = torch.tensor(emap.placement, device=topk_ids.device)
+    tok, slot = (placement[topk_ids] == rank).nonzero(as_tuple=True)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    out.index_add_(0, tok, _weighted(run_local, x[tok], topk_ids[tok, slot],
+                                     topk_weights[tok, slot]))
     dist.all_reduce(out, group=group)
-    return out
+    return out.to(x.dtype)
 
 
 def combine_all_to_all(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -130,7 +127,7 @@ def combine_all_to_all(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     x, topk_ids and topk_weights are this rank's tokens only (any count, 0 included).
 
     Returns:
-        [T, H] for this rank's tokens.
+        [T, H] in x's dtype, for this rank's tokens.
     """
     world = dist.get_world_size(group)
     placement = torch.tensor(emap.placement, device=topk_ids.device)
@@ -142,16 +139,37 @@ def combine_all_to_all(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     send_splits, recv_splits = send.tolist(), recv.tolist()
-    locals_ = torch.stack([emap.local_index(r) for r in range(world)]).to(topk_ids.device)
-    ids_out = locals_[dest[order], topk_ids.reshape(-1)[order]]
+    # one float32 message per pair: the row, its gate weight, its logical expert id
     payload = torch.cat([x[tok].float(), topk_weights.reshape(-1)[order, None].float(),
-                         ids_out[:, None].float()], dim=1)                 # [P, H + 2]
+                         topk_ids.reshape(-1)[order, None].float()], dim=1)
     got = payload.new_empty((sum(recv_splits), payload.shape[1]))
     dist.all_to_all_single(got, payload, recv_splits, send_splits, group=group)
-    rows, w, ids = got[:, :-2].to(x.dtype), got[:, -2], got[:, -1].long()
-    y = _run_pairs(run_local, rows, ids, w) if got.shape[0] else rows
+    y = _weighted(run_local, got[:, :-2].to(x.dtype), got[:, -1].long(), got[:, -2])
     back = y.new_empty((tok.numel(), x.shape[1]))
     dist.all_to_all_single(back, y.contiguous(), send_splits, recv_splits, group=group)
-    out = torch.zeros_like(x)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     out.index_add_(0, tok, back)
-    return out
+    return out.to(x.dtype)
+
+
+def set_expert_parallel(model: torch.nn.Module, emap: ExpertMap, group=None) -> None:
+    """Every MoE block of `model` computes only this rank's experts, through its expert
+    backend, and sums with the other ranks (`combine_replicated`). Every rank must run the
+    same forwards on the same batch.
+
+    Raises:
+        ValueError: a block whose expert count differs from the map's.
+    """
+    from specmoe.layers.moe.backends import moe_blocks
+    for block in moe_blocks(model):
+        if block.experts.num_experts != emap.num_experts:
+            raise ValueError(f"layer {block.layer_idx} has {block.experts.num_experts} "
+                             f"experts; the expert map has {emap.num_experts}")
+        backend = block.run_experts
+
+        def run_local(rows, ids, backend=backend):
+            ones = torch.ones(ids.shape[0], 1, dtype=rows.dtype, device=rows.device)
+            return backend(rows, ids[:, None], ones)
+
+        block.run_experts = (lambda x, ids, w, run_local=run_local:
+                             combine_replicated(x, ids, w, run_local, emap, group))
