@@ -51,6 +51,7 @@ class ThroughputBenchConfig:
             num_speculative_tokens with spec_disable_by_batch_size).
         batch_size_table: the "table" policy's ranges, vLLM style ({"1-4": 4, ...}).
         spec_bench_categories: the Spec-Bench tasks prompts are drawn from.
+        expert_parallel_size: processes a MoE target's experts are sharded over (1: none).
         concurrency: numbers of requests submitted at once, ascending; the first is the
             baseline of the scaling ratios (1 for the target line).
         max_tokens: tokens generated per request (EOS ignored).
@@ -90,6 +91,7 @@ class ThroughputBenchConfig:
     batch_size_table: dict | None = None
     spec_bench_categories: list[str] = field(default_factory=lambda: list(
         SPEC_BENCH_CATEGORIES))
+    expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not self.concurrency or any(not isinstance(c, int) or c < 1
@@ -212,7 +214,7 @@ def build_engines(cfg: ThroughputBenchConfig) -> dict:
              "max_num_batched_tokens": cfg.max_num_batched_tokens,
              "num_kv_blocks": cfg.num_kv_blocks}
     plain = LLM(cfg.model, dtype=cfg.dtype, quantization=cfg.quantization, seed=cfg.seed,
-                scheduler=sched)
+                scheduler=sched, expert_parallel_size=cfg.expert_parallel_size)
     engines = {"plain": plain}
     if cfg.draft == "none":
         return engines
@@ -340,7 +342,6 @@ def run_throughput_bench(cfg: ThroughputBenchConfig) -> dict:
     """
     import torch
 
-    from specmoe.bench.roofline import PROBE_BYTES, measure_peak_flops, measure_read_bandwidth
     from specmoe.kernels import gemv_int4
     if cfg.num_threads is not None:
         from specmoe.utils.threads import pin_thread_count
@@ -351,6 +352,14 @@ def run_throughput_bench(cfg: ThroughputBenchConfig) -> dict:
            "load_average_start": os.getloadavg()[0], "torch_version": torch.__version__,
            "int4_batch_invariant": gemv_int4.batch_invariant_in_effect()}
     engines = build_engines(cfg)
+    try:
+        return _bench(cfg, engines, env, t0)
+    finally:
+        engines["plain"].shutdown()  # expert-parallel workers, if any
+
+
+def _bench(cfg: ThroughputBenchConfig, engines: dict, env: dict, t0: float) -> dict:
+    from specmoe.bench.roofline import PROBE_BYTES, measure_peak_flops, measure_read_bandwidth
     load_s = time.perf_counter() - t0
     max_model_len = engines["plain"].max_model_len
     prompts, skipped = fitting_prompts(build_prompts(cfg, engines["plain"]), cfg.max_tokens,

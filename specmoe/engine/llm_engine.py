@@ -49,6 +49,9 @@ class LLM:
             the KV cache size), e.g. {"max_num_seqs": 16}.
         moe_backend: how a MoE target's routed experts run ("auto", "fused",
             "grouped", "grouped_mm", "reference"; see `ModelConfig.moe_backend`).
+        expert_parallel_size: N > 1 shards a MoE target's experts over N processes on this
+            machine (`worker.expert_parallel`; each process one torch thread); call
+            `shutdown()` to stop them.
 
     Raises:
         FileNotFoundError, ValueError: bad path, unsupported model, bad option, a draft
@@ -60,7 +63,7 @@ class LLM:
                  max_model_len: int | None = None, seed: int = 0,
                  quantization: str | None = None,
                  scheduler: SchedulerConfig | dict | None = None,
-                 moe_backend: str = "auto") -> None:
+                 moe_backend: str = "auto", expert_parallel_size: int = 1) -> None:
         if isinstance(speculative, dict):
             speculative = SpeculativeConfig(**speculative)
         if isinstance(scheduler, dict):
@@ -70,8 +73,17 @@ class LLM:
             ModelConfig(model, dtype, device, max_model_len, quantization, moe_backend),
             speculative, seed,
             scheduler or SchedulerConfig())
+        self._workers = _start_expert_parallel(expert_parallel_size, self.config.model)
         loaded = load_model(self.config.model)
         self.target = ModelRunner(loaded)
+        if self._workers:
+            from specmoe.worker.expert_parallel import ExpertParallelRunner, abort, shard_experts
+            try:
+                shard_experts(self.target)
+            except ValueError:
+                abort(self._workers)
+                raise
+            self.target = ExpertParallelRunner(self.target)
         self.tokenizer = _try_tokenizer(loaded)
         eos = set(loaded.arch.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -114,6 +126,16 @@ class LLM:
                                  if speculative else None,
                                  parse_batch_size_table(table) if table else None,
                                  _adaptive_policy(speculative, self.target))
+
+    def shutdown(self) -> None:
+        """Stop the expert-parallel worker processes (no-op in one process)."""
+        if self._workers:
+            import torch.distributed as dist
+            self.target.shutdown()
+            for p in self._workers:
+                p.join(timeout=30)
+            dist.destroy_process_group()
+            self._workers = []
 
     @property
     def max_model_len(self) -> int:
@@ -218,6 +240,21 @@ class LLM:
     def _generator_for(self, params: SamplingParams) -> torch.Generator:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         return torch.Generator(self.target.device).manual_seed(seed)
+
+
+def _start_expert_parallel(size: int, model_config) -> list:
+    """Worker processes of ranks 1..size-1 (this process joins as rank 0); [] for size 1.
+
+    Raises:
+        ValueError: size not an int >= 1.
+    """
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"invalid expert_parallel_size={size!r}: must be an int >= 1")
+    if size == 1:
+        return []
+    from specmoe.worker.expert_parallel import launch_workers
+    torch.set_num_threads(1)
+    return launch_workers(size, model_config)
 
 
 def _adaptive_policy(speculative: SpeculativeConfig | None, target: ModelRunner

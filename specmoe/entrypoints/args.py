@@ -46,6 +46,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads, fixed (default: one per core, fewer while "
                         "other processes keep cores busy)")
+    p.add_argument("--expert-parallel-size", type=int, default=1,
+                   help="shard a MoE model's experts over this many processes on this "
+                        "machine, one torch thread each (default: 1; docs/serving.md)")
 
 
 def apply_threads(args) -> None:
@@ -124,4 +127,4 @@ def llm_from_args(args, speculative: dict | None):
     apply_threads(args)
     return LLM(args.model, speculative=speculative, dtype=args.dtype, device=args.device,
                max_model_len=args.max_model_len, quantization=args.quantization,
-               moe_backend=args.moe_backend)
+               moe_backend=args.moe_backend, expert_parallel_size=args.expert_parallel_size)

@@ -105,8 +105,11 @@ def cmd_serve(args) -> None:
     llm = LLM(args.model, speculative=speculative_from_args(args), dtype=args.dtype,
               device=args.device, max_model_len=args.max_model_len,
               quantization=args.quantization, scheduler=scheduler,
-              moe_backend=args.moe_backend)
-    run_server(llm, args.model, cfg)
+              moe_backend=args.moe_backend, expert_parallel_size=args.expert_parallel_size)
+    try:
+        run_server(llm, args.model, cfg)
+    finally:
+        llm.shutdown()
 
 
 def add_bench_parser(sub) -> None:
@@ -167,6 +170,8 @@ def add_bench_throughput_parser(bench) -> None:
                     help="Spec-Bench tasks to draw prompts from (default: %(default)s); "
                          "a mixed workload: --datasets humaneval,spec_bench "
                          "--spec-bench-categories translation")
+    tp.add_argument("--expert-parallel-size", type=int, default=1,
+                    help="shard a MoE target's experts over this many processes (default: 1)")
     tp.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
     tp.add_argument("--quantization", default=None, choices=["int8", "int4"])
     tp.add_argument("--draft-quantization", default=None, choices=["int8", "int4"])
@@ -313,7 +318,8 @@ def cmd_bench_throughput(args) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
         num_threads=args.threads, policies=args.speculative_policy,
         batch_size_table=args.speculative_batch_size_table,
-        spec_bench_categories=args.spec_bench_categories)
+        spec_bench_categories=args.spec_bench_categories,
+        expert_parallel_size=args.expert_parallel_size)
     out = Path(args.out or f"out/throughput-{time.strftime('%Y%m%d-%H%M')}")
     results = run_throughput_bench(cfg)
     for path in write_report(results, out):
@@ -455,10 +461,13 @@ def cmd_generate(args) -> None:
                             stop=args.stop, ignore_eos=args.ignore_eos)
     check_trace_path(args.routing_trace)
     llm = llm_from_args(args, speculative_from_args(args))
-    prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat \
-        else args.prompt
-    out = (generate_with_trace(llm, prompt, params, args.routing_trace) if args.routing_trace
-           else llm.generate(prompt, params)[0])
+    try:
+        prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat \
+            else args.prompt
+        out = (generate_with_trace(llm, prompt, params, args.routing_trace)
+               if args.routing_trace else llm.generate(prompt, params)[0])
+    finally:
+        llm.shutdown()
     print(out.text)
     print(format_stats(out), file=sys.stderr)
 

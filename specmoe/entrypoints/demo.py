@@ -55,6 +55,9 @@ def demo_pairs(args) -> list[DemoPair]:
     spec = speculative_from_args(args)
     if spec is None:
         raise ValueError("the demo compares against speculation: pass --draft ngram or a model")
+    if getattr(args, "expert_parallel_size", 1) != 1:
+        raise ValueError("the demo runs in one process (its dense pair has no experts): "
+                         "--expert-parallel-size is for generate, serve and bench throughput")
     pairs = [DemoPair(f"{args.model} + {_proposer(spec)}", f"dense: {args.model}", args.model,
                       spec, chat=True)]
     if args.moe_model != "none":
