@@ -51,7 +51,8 @@ class RealStudyConfig:
         reps: repetitions of every grid point (min taken).
         e2e_reps: repetitions of every end-to-end run (median taken).
         context_len: tokens of real text in each request's KV cache for the grid.
-        prompt_tokens: prompts of the end-to-end runs are cut to this many tokens.
+        prompt_tokens: the questions of the end-to-end prompts are cut to this many tokens
+            (inside the chat template).
         max_tokens: tokens generated per request end to end (EOS ignored).
         dtype: the models' dtype.
         seed: engine seed and token windows.
@@ -104,8 +105,8 @@ def token_windows(tokenizer, cfg: RealStudyConfig) -> list[list[int]]:
 
 def e2e_prompts(llm, cfg: RealStudyConfig) -> list[list[int]]:
     """max(e2e B) distinct chat prompts, Spec-Bench's own tasks (its categories in turn) and
-    MT-Bench alternately, in the model's chat template, as token ids cut to `prompt_tokens`
-    (the same ids for every target of one tokenizer). Distinct: identical requests would
+    MT-Bench alternately, each question cut to `prompt_tokens` tokens, in the model's chat
+    template, as token ids (the same ids for every target of one tokenizer). Distinct: identical requests would
     route identically and undercount the experts a MoE batch touches."""
     from specmoe.bench.throughput import SPEC_BENCH_CATEGORIES, round_robin
     from specmoe.utils.data import load_prompts
@@ -113,7 +114,14 @@ def e2e_prompts(llm, cfg: RealStudyConfig) -> list[list[int]]:
     sets = [round_robin(load_prompts("spec_bench", categories=SPEC_BENCH_CATEGORIES), n),
             load_prompts("mt_bench", n)]
     texts = [p.text for pair in zip(*sets) for p in pair][:n]
-    return [chat_ids(llm, t)[:cfg.prompt_tokens] for t in texts]
+    return [chat_ids(llm, _cut(llm.tokenizer, t, cfg.prompt_tokens)) for t in texts]
+
+
+def _cut(tokenizer, text: str, num_tokens: int) -> str:
+    """The text's first `num_tokens` tokens, as text: a long question is shortened inside
+    the user message, so the chat template still ends with the assistant's turn."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return text if len(ids) <= num_tokens else tokenizer.decode(ids[:num_tokens])
 
 
 def chat_ids(llm, text: str) -> list[int]:

@@ -176,8 +176,9 @@ def render_real_report(results: dict) -> str:
         f"Tt(B, T): min of {cfg['reps']} forwards through the engine's model runner, "
         f"{cfg['context_len']} tokens of held-out corpus text in each request's KV cache, "
         "the text's next T tokens fed. End to end: the batched engine, plain and K = "
-        f"{cfg['ks'][0]}..{cfg['ks'][-1]} per request, {cfg['prompt_tokens']}-token chat "
-        f"prompts, {cfg['max_tokens']} greedy tokens each, decode phase timed, median of "
+        f"{', '.join(map(str, cfg['ks']))} per request, chat prompts of at most "
+        f"{cfg['prompt_tokens']} question tokens, {cfg['max_tokens']} greedy tokens each, "
+        f"decode phase timed, median of "
         f"{cfg['e2e_reps']} interleaved runs. Greedy outputs identical to plain decoding in "
         f"{_identical(results)} speculative (B, K) cells.", "",
         "## Answers", "", *answers(results), "",

@@ -79,7 +79,10 @@ def cmd_advise(args) -> int:
         cells = [f"{r['predicted_speedup']:.2f}" for r in result["rows"] if r["B"] == b]
         table.add_row(str(b), str(best["K"]), f"{best['predicted_speedup']:.2f}x",
                       "yes" if best["K"] else "no", *cells)
-    Console().print(table)
+    out_console = Console()
+    if not out_console.is_terminal:  # a pipe or file: the whole table, not cut to 80 columns
+        out_console = Console(width=160)
+    out_console.print(table)
     tps = ", ".join(f"K={a['k']} {a['tokens_per_step']:.2f}" for a in result["acceptance"])
     print(f"tokens per verification step: {tps}")
     print("batch_size_table: " + json.dumps(result["batch_size_table"]))

@@ -96,7 +96,8 @@ def add_study_parser(sub) -> None:
     real.add_argument("--max-tokens", type=int, default=None,
                       help="greedy tokens per request end to end")
     real.add_argument("--prompt-tokens", type=int, default=None,
-                      help="end-to-end prompts cut to this many tokens")
+                      help="end-to-end questions cut to this many tokens (inside the chat "
+                           "template)")
     p.add_argument("--seed", type=int, default=d.seed,
                    help="seeds weights, token ids and routing draws (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None,
