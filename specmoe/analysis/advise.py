@@ -20,8 +20,9 @@ from dataclasses import asdict, dataclass, field
 
 from specmoe.analysis.model_card import (acceptance_curve, draft_acceptor,
                                          ngram_acceptor)
-from specmoe.analysis.real_study import (RealStudyConfig, chat_ids, measure_forwards,
+from specmoe.analysis.real_study import (RealStudyConfig, e2e_prompts, measure_forwards,
                                          predict_speedup, timed_decode)
+from specmoe.bench.throughput import chat_ids
 
 MAX_BATCH = 4096  # the last range of the suggested table runs to here
 
@@ -72,14 +73,13 @@ class AdviseConfig:
 
 def _prompt_ids(llm, cfg: AdviseConfig) -> list[list[int]]:
     if cfg.prompts is None:
-        from specmoe.analysis.real_study import e2e_prompts
         n = cfg.num_prompts or max(cfg.batch_sizes)
         study = RealStudyConfig(models=[cfg.model], e2e_batch_sizes=[n], batch_sizes=[n])
         return e2e_prompts(llm, study)
     return [chat_ids(llm, p) for p in cfg.prompts if p.strip()]
 
 
-def measure_acceptance(llm, draft_runner, prompts, outputs, max_k: int, lookup) -> list[dict]:
+def measure_acceptance(draft_runner, prompts, outputs, max_k: int, lookup) -> list[dict]:
     """tokens per step and 1 + accepted / drafts for K = 1..max_k (`acceptance_curve`)."""
     if draft_runner is None:
         acceptors = [ngram_acceptor(p, o, lookup) for p, o in zip(prompts, outputs)]
@@ -120,7 +120,7 @@ def advise(cfg: AdviseConfig, progress=None) -> dict:
     outputs = [o.token_ids for o in llm.generate(prompts, SamplingParams(
         max_tokens=cfg.max_tokens, temperature=0.0, ignore_eos=True))]
     say("acceptance")
-    acceptance = measure_acceptance(llm, draft_runner, prompts, outputs, cfg.max_k,
+    acceptance = measure_acceptance(draft_runner, prompts, outputs, cfg.max_k,
                                     (spec.prompt_lookup_min, spec.prompt_lookup_max))
     say("Tt(B, T)")
     windows = [p + o for p, o in zip(prompts, outputs)]

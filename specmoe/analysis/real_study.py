@@ -106,9 +106,10 @@ def token_windows(tokenizer, cfg: RealStudyConfig) -> list[list[int]]:
 def e2e_prompts(llm, cfg: RealStudyConfig) -> list[list[int]]:
     """max(e2e B) distinct chat prompts, Spec-Bench's own tasks (its categories in turn) and
     MT-Bench alternately, each question cut to `prompt_tokens` tokens, in the model's chat
-    template, as token ids (the same ids for every target of one tokenizer). Distinct: identical requests would
-    route identically and undercount the experts a MoE batch touches."""
-    from specmoe.bench.throughput import SPEC_BENCH_CATEGORIES, round_robin
+    template, as token ids (the same ids for every target of one tokenizer). Distinct:
+    identical requests would route identically and undercount the experts a MoE batch
+    touches."""
+    from specmoe.bench.throughput import SPEC_BENCH_CATEGORIES, chat_ids, round_robin
     from specmoe.utils.data import load_prompts
     n = max(cfg.e2e_batch_sizes)
     sets = [round_robin(load_prompts("spec_bench", categories=SPEC_BENCH_CATEGORIES), n),
@@ -122,15 +123,6 @@ def _cut(tokenizer, text: str, num_tokens: int) -> str:
     the user message, so the chat template still ends with the assistant's turn."""
     ids = tokenizer.encode(text, add_special_tokens=False)
     return text if len(ids) <= num_tokens else tokenizer.decode(ids[:num_tokens])
-
-
-def chat_ids(llm, text: str) -> list[int]:
-    """`text` as one user message in the model's chat template (raw without one), as ids."""
-    try:
-        text = llm.chat_prompt([{"role": "user", "content": text}])
-    except ValueError:  # no chat template: the raw text
-        pass
-    return llm.tokenizer.encode(text, add_special_tokens=False)
 
 
 def measure_forwards(runner, windows, cfg: RealStudyConfig, num_tokens: list[int],
@@ -156,14 +148,6 @@ class DecodeRun:
     drafts: int = 0
     accepted: int = 0
     outputs: list[list[int]] = field(default_factory=list, repr=False)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds
-
-    @property
-    def acceptance_length(self) -> float:
-        return 1.0 + self.accepted / self.drafts if self.drafts else 1.0
 
 
 def timed_decode(llm, prompts: list[list[int]], params) -> DecodeRun:

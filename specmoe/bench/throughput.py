@@ -188,12 +188,17 @@ def round_robin(prompts: list, n: int) -> list:
 
 
 def _encode(llm, prompt) -> list[int]:
-    text = prompt.text
-    if not prompt.is_completion:
-        try:
-            text = llm.chat_prompt([{"role": "user", "content": prompt.text}])
-        except ValueError:  # no chat template: the raw text
-            pass
+    if prompt.is_completion:
+        return llm.tokenizer.encode(prompt.text, add_special_tokens=False)
+    return chat_ids(llm, prompt.text)
+
+
+def chat_ids(llm, text: str) -> list[int]:
+    """`text` as one user message in the model's chat template (raw without one), as ids."""
+    try:
+        text = llm.chat_prompt([{"role": "user", "content": text}])
+    except ValueError:  # no chat template: the raw text
+        pass
     return llm.tokenizer.encode(text, add_special_tokens=False)
 
 

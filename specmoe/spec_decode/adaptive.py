@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specmoe.spec_decode.routing_overlap import miss_log, unique_fraction
+
 
 @dataclass(frozen=True)
 class AdaptiveSettings:
@@ -116,10 +118,14 @@ class StepTimeModel:
         self.min_steps = min_steps
         self.moe = moe
         self.coef: np.ndarray | None = None
+        self._observed = 0
 
     def observe(self, rows: int, seconds: float, unique_frac: float = 0.0) -> None:
+        """Record a step; refit every 4th one (counted over all steps: once the window is
+        full its length no longer changes)."""
         self._steps.append((rows, seconds, unique_frac))
-        if len(self._steps) >= self.min_steps and len(self._steps) % 4 == 0:
+        self._observed += 1
+        if len(self._steps) >= self.min_steps and self._observed % 4 == 0:
             self._fit()
 
     def _fit(self) -> None:
@@ -184,6 +190,12 @@ def predicted_rate(ks: np.ndarray, gains: np.ndarray, step_s, draft_s: float,
     return tokens / (_step_seconds(ks, step_s, miss_step) + draft_s * int(ks.max(initial=0)))
 
 
+def _running_mean(mean: float, count: int, value: float) -> float:
+    """The mean of the first values, then a moving average weighting the newest by 0.1;
+    `count` includes `value`."""
+    return mean + max(1.0 / count, 0.1) * (value - mean)
+
+
 def _step_seconds(ks: np.ndarray, step_s, miss_step: np.ndarray | None) -> float:
     misses = 0.0 if miss_step is None else float(miss_step[ks].sum())
     return float(step_s(np.array([int(ks.sum())]), np.array([misses]))[0])
@@ -224,23 +236,18 @@ class AdaptivePolicy:
     def observe_overlap(self, overlap: float) -> None:
         """An adjacent-token routing overlap measured on a sampled step (MoE targets)."""
         self._overlap_obs += 1
-        self.overlap += max(1.0 / self._overlap_obs, 0.1) * (overlap - self.overlap)
+        self.overlap = _running_mean(self.overlap, self._overlap_obs, overlap)
 
     def unique_fraction(self, windows: list[int]) -> float:
         """U / N of a step's windows on a MoE target (0 on a dense one)."""
         if not self.s.is_moe:
             return 0.0
-        return float(1.0 - np.exp(self._miss(np.asarray(windows)).sum()))
-
-    def _miss(self, tokens):
-        from specmoe.spec_decode.routing_overlap import miss_log
-        return miss_log(tokens, self.s.num_experts, self.s.top_k, self.overlap)
+        return unique_fraction(windows, self.s.num_experts, self.s.top_k, self.overlap)
 
     def observe_draft(self, depth: int, seconds: float) -> None:
         if depth > 0:
             self._draft_obs += 1
-            weight = max(1.0 / self._draft_obs, 0.1)  # mean, then a moving average
-            self.draft_s += weight * (seconds / depth - self.draft_s)
+            self.draft_s = _running_mean(self.draft_s, self._draft_obs, seconds / depth)
 
     def choose(self, request_ids: list[str], caps: list[int], base_rows: int
                ) -> dict[str, int]:
@@ -254,7 +261,8 @@ class AdaptivePolicy:
         def step_s(drafts: np.ndarray, misses: np.ndarray) -> np.ndarray:
             return self.step_time.predict(base_rows + drafts, 1.0 - np.exp(misses))
 
-        miss = self._miss(np.arange(1, self.s.max_k + 2)) if self.s.is_moe else None
+        miss = (miss_log(np.arange(1, self.s.max_k + 2), self.s.num_experts, self.s.top_k,
+                         self.overlap) if self.s.is_moe else None)
         gains = np.stack([self.acceptance.gains(r) for r in request_ids])
         ks, rate = choose_ks(gains, caps_a, step_s, self.draft_s, miss)
         prev = np.array([min(self._previous.get(r, k), c) for r, k, c

@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class ExpertMap:
-    """placement[e]: the rank that holds logical expert e; a rank's experts keep logical
-    order, so its local index of e is e's position among them.
+    """placement[e]: the rank that holds logical expert e (the dispatch modes pass logical
+    ids to each rank's experts).
 
     Raises:
         ValueError: a placement naming a rank outside 0..num_ranks - 1, or a rank with none.
@@ -73,13 +73,6 @@ class ExpertMap:
     def local_experts(self, rank: int) -> list[int]:
         """Logical ids of the experts `rank` holds, ascending."""
         return [e for e, r in enumerate(self.placement) if r == rank]
-
-    def local_index(self, rank: int) -> torch.Tensor:
-        """[N] int64: each logical expert's index among `rank`'s experts, -1 elsewhere."""
-        out = torch.full((self.num_experts,), -1, dtype=torch.int64)
-        mine = self.local_experts(rank)
-        out[mine] = torch.arange(len(mine))
-        return out
 
     def rank_loads(self, load: list[float]) -> list[float]:
         """Tokens each rank would serve under this map, from per-expert loads."""
