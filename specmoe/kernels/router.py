@@ -24,7 +24,7 @@ from specmoe.kernels.build import LazyKernel, load
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 MAX_EXPERTS = 1024  # MAX_EXPERTS in the C source
-MAX_TOP_K = 15  # MAX_TOP_K in the C source
+MAX_TOP_K = 64  # MAX_TOP_K in the C source
 
 
 def load_kernels():

@@ -38,7 +38,7 @@
 #endif
 
 #define MAX_EXPERTS 1024 /* N the router takes (a row of probabilities lives on the stack) */
-#define MAX_TOP_K 15     /* k below 16: the renormalising sum is ATen's scalar row sum */
+#define MAX_TOP_K 64     /* row_sum below is ATen's up to 511 */
 
 /* 2^q for integer lanes q in [-126, 127]. */
 static inline __m512 pow2i(__m512i q) {
@@ -116,16 +116,38 @@ static void softmax_row(const uint16_t *x, float *p, int64_t N) {
 /* a ranks before b in torch's descending sort (NaN first). */
 static inline int heavier(float a, float b) { return a > b || (a != a && b == b); }
 
-/* ATen's sum of a contiguous row of n < 16 floats (row_sum, 4 accumulators). */
+/* ATen's sum of a contiguous row of n <= MAX_TOP_K floats (SumKernel.cpp's cascade_sum; torch
+ * dispatches its 8-lane AVX2 build for sum on AVX-512 CPUs too). Its row_sum keeps 4
+ * interleaved accumulators (fewer than 16 rows each, so no cascade levels): n < 8 sums the
+ * scalars that way; from n = 8 (vectorized_inner_sum) it sums the n / 8 whole 8-float vectors
+ * that way lane by lane, then adds the scalar tail in order from 0, then the 8 lanes. */
 static float row_sum(const float *w, int64_t n) {
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const int64_t blocks = n / 4;
+    if (n < 8) {
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        const int64_t blocks = n / 4;
+        for (int64_t b = 0; b < blocks; b++)
+            for (int j = 0; j < 4; j++) acc[j] += w[4 * b + j];
+        for (int64_t i = blocks * 4; i < n; i++) acc[0] += w[i];
+        for (int j = 1; j < 4; j++) acc[0] += acc[j];
+        return acc[0];
+    }
+    float acc[4][8] = {{0.0f}};
+    const int64_t vectors = n / 8, blocks = vectors / 4;
     for (int64_t b = 0; b < blocks; b++)
-        for (int j = 0; j < 4; j++) acc[j] += w[4 * b + j];
-    for (int64_t i = blocks * 4; i < n; i++) acc[0] += w[i];
-    for (int j = 1; j < 4; j++) acc[0] += acc[j];
-    return acc[0];
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 8; l++) acc[j][l] += w[(4 * b + j) * 8 + l];
+    for (int64_t v = blocks * 4; v < vectors; v++)
+        for (int l = 0; l < 8; l++) acc[0][l] += w[v * 8 + l];
+    for (int j = 1; j < 4; j++)
+        for (int l = 0; l < 8; l++) acc[0][l] += acc[j][l];
+    float total = 0.0f;
+    for (int64_t i = vectors * 8; i < n; i++) total += w[i];
+    for (int l = 0; l < 8; l++) total += acc[0][l];
+    return total;
 }
+
+/* row_sum, exported for the test that holds it to torch.sum's bits. */
+float specmoe_router_row_sum(const float *w, int64_t n) { return row_sum(w, n); }
 
 /* logits [T, N] bf16 -> ids [T, k] int64 (heaviest first; ties: the lower id first) and
  * weights [T, k] bf16 (renormalised to sum to one when norm_topk_prob). Returns 0, or -1

@@ -70,10 +70,28 @@ def _copy(param: nn.Parameter, slot: tuple, tensor: torch.Tensor, ckpt_name: str
     if shard is not None:
         offset = sum(param.shard_sizes[:shard])
         view = view.narrow(0, offset, param.shard_sizes[shard])
-    if tuple(view.shape) != tuple(tensor.shape):
+    expected = tuple(view.shape)
+    if expected != tuple(tensor.shape):
+        view = _padded_view(param, view, tensor.shape)
+    if view is None:
         raise ValueError(f"checkpoint tensor {ckpt_name} has shape {tuple(tensor.shape)}, "
-                         f"expected {tuple(view.shape)} for {_fmt(slot)}")
+                         f"expected {expected} for {_fmt(slot)}")
     view.copy_(tensor)
+
+
+def _padded_view(param: nn.Parameter, view: torch.Tensor, shape: torch.Size
+                 ) -> torch.Tensor | None:
+    """For a parameter stored zero-padded (`pad_multiple`: each dimension the checkpoint's
+    size rounded up to it), zero `view` and return its leading part of `shape`; None when
+    the parameter is not padded or `shape` does not round up to the view's."""
+    m = getattr(param, "pad_multiple", None)
+    if m is None or len(shape) != view.dim() or any(
+            s != v and -(-s // m) * m != v for s, v in zip(shape, view.shape)):
+        return None
+    view.zero_()
+    for dim, size in enumerate(shape):
+        view = view.narrow(dim, 0, size)
+    return view
 
 
 def _fmt(slot: tuple) -> str:

@@ -13,8 +13,11 @@ from kernel_checks import (check_batch_invariance, check_routing_errors, poison_
                            require_kernel, same_bits)
 
 from specmoe.kernels import elementwise, gemv, moe
+from specmoe.kernels.gemv import PackedWeight
 from specmoe.layers.linear import prepack_weights
 from specmoe.layers.moe.experts import RoutedExperts
+from specmoe.loader.weights import load_weights
+from specmoe.models.weight_rules import rule
 from tiny_models import random_bf16_experts, random_routing
 
 KERNEL_UNAVAILABLE_REASON = moe.kernel_unavailable_reason  # for the `enabled` fixture
@@ -232,7 +235,10 @@ def test_forward_fused_falls_back_to_the_loop(natives, kernels_off):
                                    experts.forward(x, ids, weights), atol=0, rtol=0)
 
     check(_experts(8, 64, 32).float(), x, weights)
-    check(_experts(8, 64, 24), x.bfloat16(), weights.bfloat16())
+    # RoutedExperts pads its width to a multiple of 16; the kernel itself declines others
+    w13, w2 = torch.zeros(8, 48, 64).bfloat16(), torch.zeros(8, 64, 24).bfloat16()
+    assert moe.try_moe_bf16(x.bfloat16(), ids, weights.bfloat16(), w13, w2, PackedWeight(),
+                            PackedWeight()) is None
     with kernels_off():
         check(_experts(8, 64, 32), x.bfloat16(), weights.bfloat16())
 
@@ -277,3 +283,37 @@ def test_set_moe_backend_fused_reads_the_packed_copies(natives):
     assert same_bits(block(x), before)
     with pytest.raises(ValueError, match="dense weights"):
         set_moe_backend(model, "grouped_mm")
+
+
+def test_padded_expert_width_runs_fused_with_the_unpadded_results(natives):
+    """Experts of width 28 (a carved checkpoint's kind of width) are stored padded to 32 with
+    zero rows and columns by the weight loader: the fused kernel takes them, and its output
+    is within bf16 rounding of the fp32 reference on the unpadded 28-wide weights."""
+    n, h, i, k = 8, 64, 28, 2
+    narrow = _experts(n, h, i, seed=6)
+    gate, up = narrow.w13[:, :i], narrow.w13[:, 32:32 + i]  # the checkpoint's 28 rows
+    down = narrow.w2[..., :i]
+    rules = [rule(r"(?P<e>\d+)\.gate", "w13", 0), rule(r"(?P<e>\d+)\.up", "w13", 1),
+             rule(r"(?P<e>\d+)\.down", "w2")]
+    tensors = [(f"{e}.{name}", t[e]) for e in range(n)
+               for name, t in (("gate", gate), ("up", up), ("down", down))]
+    experts = RoutedExperts(n, h, i).bfloat16().requires_grad_(False)
+    experts.w13.data.fill_(7.0)  # the loader must zero the padding
+    experts.w2.data.fill_(7.0)
+    load_weights(experts, tensors, rules, tied_embeddings=False)
+    assert experts.intermediate_size == 32 and experts.w2.shape == (n, h, 32)
+    assert not experts.w13[:, i:32].any() and not experts.w13[:, 32 + i:].any()
+    assert not experts.w2[..., i:].any()
+    dense = torch.cat([gate, up], dim=1).float()  # [N, 2 * 28, H], unpadded
+    gen = torch.Generator().manual_seed(7)
+    for t in (1, 9, 80):
+        x = torch.randn(t, h, generator=gen).bfloat16()
+        ids, weights = random_routing(t, n, k, gen)
+        out = _fused(experts, x, ids, weights)
+        ref = torch.zeros(t, h)
+        for tok in range(t):
+            for s in range(k):
+                e = ids[tok, s]
+                g, u = F.linear(x[tok].float(), dense[e]).split(i)
+                ref[tok] += weights[tok, s] * F.linear(F.silu(g) * u, down[e].float())
+        torch.testing.assert_close(out.float(), ref, rtol=0.03, atol=0.03)

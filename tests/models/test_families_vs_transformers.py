@@ -62,6 +62,9 @@ def _config(case: str) -> transformers.PretrainedConfig:
         return transformers.Qwen2MoeConfig(**base, **_MOE, moe_intermediate_size=32,
                                            shared_expert_intermediate_size=48,
                                            decoder_sparse_step=2)
+    if case == "qwen2_moe_padded_experts":  # experts of 28, stored padded to 32
+        return transformers.Qwen2MoeConfig(**base, **_MOE, moe_intermediate_size=28,
+                                           shared_expert_intermediate_size=56)
     if case == "qwen3_moe_norm_topk":
         return transformers.Qwen3MoeConfig(**base, **_MOE, moe_intermediate_size=32,
                                            head_dim=24, norm_topk_prob=True)
@@ -76,7 +79,8 @@ def _config(case: str) -> transformers.PretrainedConfig:
 
 
 CASES = ["llama_tied_llama3_rope", "llama_linear_rope", "mistral_sliding_window", "qwen2",
-         "qwen3", "mixtral", "qwen2_moe_sparse_step", "qwen3_moe_norm_topk",
+         "qwen3", "mixtral", "qwen2_moe_sparse_step", "qwen2_moe_padded_experts",
+         "qwen3_moe_norm_topk",
          "qwen3_moe_no_norm_topk_mlp_only", "olmoe"]
 
 

@@ -15,8 +15,18 @@ from specmoe.layers.linear import PackedWeights, linear
 from specmoe.layers.mlp import silu_and_mul
 
 
+# The fused MoE kernels take expert widths in multiples of this (AVX-512 bf16 lanes).
+WIDTH_MULTIPLE = 16
+
+
 class RoutedExperts(PackedWeights, nn.Module):
     """N SwiGLU experts with stacked weights.
+
+    An expert width that is not a multiple of 16 (a carved checkpoint's 140, say) is stored
+    zero-padded to the next one (I below): a padded neuron's gate and up rows and its down
+    column are zero, so it adds exactly 0 and the outputs keep their bits, while the fused
+    kernels (which need I % 16 == 0) take the layer instead of the per-expert loop. The
+    weight loader fills the checkpoint's part and zeroes the rest.
 
     Parameters:
         w13: [N, 2 * I, H] gate (rows [0, I)) and up (rows [I, 2I)) projections.
@@ -25,13 +35,17 @@ class RoutedExperts(PackedWeights, nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
+        padded = -(-intermediate_size // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
         self.num_experts = num_experts
-        self.intermediate_size = intermediate_size
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        # Read by the weight loader: leading expert dimension, gate/up row shards of w13.
+        self.checkpoint_intermediate_size = intermediate_size
+        self.intermediate_size = padded
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * padded, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, padded))
+        # Read by the weight loader: leading expert dimension, gate/up row shards of w13,
+        # the padding a checkpoint's smaller tensors leave (zeroed).
         self.w13.num_experts = self.w2.num_experts = num_experts
-        self.w13.shard_sizes = [intermediate_size, intermediate_size]
+        self.w13.shard_sizes = [padded, padded]
+        self.w13.pad_multiple = self.w2.pad_multiple = WIDTH_MULTIPLE
         self.w13_panels, self.w2_panels = PackedWeight(), PackedWeight()
         self.reads_packed = True  # False: a backend that needs the dense weights runs
 
@@ -89,8 +103,7 @@ class RoutedExperts(PackedWeights, nn.Module):
         panels, the top-k weights applied in float32 and a token's k contributions summed in
         slot order, rounded once. No Python loop and no host sync; a token's output bits do
         not depend on the other tokens of the call. Where the kernel does not apply (another
-        device or dtype, kernels off or not built, I not a multiple of 16, autograd) this is
-        `forward`.
+        device or dtype, kernels off or not built, autograd) this is `forward`.
 
         x [T, H]; topk_ids [T, k] int64; topk_weights [T, k]. Returns [T, H] in x's dtype.
         Raises ValueError (from the kernel's checks) for an expert id outside [0, N).
