@@ -134,7 +134,7 @@ def record_routing(llm, prompts, sampling_params=None
     if not blocks:
         raise ValueError(f"model {llm.config.model.model!r} has no MoE layers: there is no "
                          "routing to record")
-    capture = RoutingCapture(blocks[0].experts.num_experts, blocks[0].router.top_k,
+    capture = RoutingCapture(blocks[0].router.num_experts, blocks[0].router.top_k,
                              [b.layer_idx for b in blocks], llm.config.model.model)
     previous_stats, previous_observer = blocks[0].stats, llm.engine.step_observer
     set_expert_stats(model, capture)

@@ -67,6 +67,7 @@ def markdown(results: dict) -> str:
              "counted) over its wall time, median of the repetitions: high where the "
              "multiplies bound a run, low where memory reads or overheads do.",
              "",
+             *expert_parallel_section(results["rows"]),
              "## Slowest steps", "", *slowest_table(results["slowest_steps"])]
     errors = [r for r in results["runs"] if "error" in r]
     if errors:
@@ -219,6 +220,24 @@ def engine_table(rows: list[dict]) -> list[str]:
                    f"{r['mean_acceptance_length']:.2f} | {r['acceptance_rate']:.2f} | "
                    f"{_paused(r)} | {_percent(r.get('floor_fraction'))} |")
     return out
+
+
+def expert_parallel_section(rows: list[dict]) -> list[str]:
+    """Communication under expert parallelism ([] without it)."""
+    rows = [r for r in rows if "communication_share" in r]
+    if not rows:
+        return []
+    out = ["## Expert parallelism", "",
+           "| C | mode | communication share of forward time | collective KiB per forward | "
+           "(token, slot) pairs per rank |", "|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['concurrency']} | {r['mode']} | "
+                   f"{100 * r['communication_share']:.0f}% | "
+                   f"{r['collective_bytes_per_forward'] / 1024:.0f} | "
+                   f"{' / '.join(str(n) for n in r['rank_load'])} |")
+    return out + ["", "Communication: rank 0 broadcasting each batch to the other ranks "
+                  "and the MoE layers' all-reduce of partial expert outputs, over rank 0's "
+                  "forward wall time (waits for the slowest rank included).", ""]
 
 
 def _percent(fraction: float | None) -> str:

@@ -49,9 +49,11 @@ class LLM:
             the KV cache size), e.g. {"max_num_seqs": 16}.
         moe_backend: how a MoE target's routed experts run ("auto", "fused",
             "grouped", "grouped_mm", "reference"; see `ModelConfig.moe_backend`).
-        expert_parallel_size: N > 1 shards a MoE target's experts over N processes on this
-            machine (`worker.expert_parallel`; each process one torch thread); call
-            `shutdown()` to stop them.
+        expert_parallel_size: N > 1 shards a MoE target's experts over N processes
+            (`worker.expert_parallel`; each process one torch thread and its share of the
+            experts): started here on this machine, or, in a process torchrun started, the
+            N ranks torchrun started on one or more machines (ranks > 0 serve as workers
+            and exit from this call when rank 0 stops); call `shutdown()` to stop them.
 
     Raises:
         FileNotFoundError, ValueError: bad path, unsupported model, bad option, a draft
@@ -74,16 +76,7 @@ class LLM:
             speculative, seed,
             scheduler or SchedulerConfig())
         self._workers = _start_expert_parallel(expert_parallel_size, self.config.model)
-        loaded = load_model(self.config.model)
-        self.target = ModelRunner(loaded)
-        if self._workers:
-            from specmoe.worker.expert_parallel import ExpertParallelRunner, abort, shard_experts
-            try:
-                shard_experts(self.target)
-            except ValueError:
-                abort(self._workers)
-                raise
-            self.target = ExpertParallelRunner(self.target)
+        loaded, self.target = _load_target(self.config.model, self._workers)
         self.tokenizer = _try_tokenizer(loaded)
         eos = set(loaded.arch.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -128,13 +121,16 @@ class LLM:
                                  _adaptive_policy(speculative, self.target))
 
     def shutdown(self) -> None:
-        """Stop the expert-parallel worker processes (no-op in one process)."""
+        """Stop the expert-parallel worker processes (no-op in one process); a worker that
+        died or cannot be told to stop is killed."""
         if self._workers:
-            import torch.distributed as dist
-            self.target.shutdown()
-            for p in self._workers:
-                p.join(timeout=30)
-            dist.destroy_process_group()
+            from specmoe.worker.expert_parallel import abort
+            try:
+                self.target.shutdown()
+            except Exception:  # noqa: BLE001 - a dead rank: stop the others regardless
+                logger.warning("could not tell the expert-parallel workers to stop",
+                               exc_info=True)
+            abort(self._workers)
             self._workers = []
 
     @property
@@ -242,6 +238,23 @@ class LLM:
         return torch.Generator(self.target.device).manual_seed(seed)
 
 
+def _load_target(model_config, workers: list):
+    """The loaded target and its runner; with expert-parallel workers, this rank's experts
+    only, behind an `ExpertParallelRunner` (the workers are stopped if loading fails)."""
+    if not workers:
+        loaded = load_model(model_config)
+        return loaded, ModelRunner(loaded)
+    from specmoe.worker import expert_parallel as ep
+    try:
+        loaded = load_model(model_config, on_weights=ep.keep_rank_experts)
+        runner = ModelRunner(loaded)
+        emap = ep.shard_experts(runner)
+    except Exception:
+        ep.abort(workers)
+        raise
+    return loaded, ep.ExpertParallelRunner(runner, emap)
+
+
 def _start_expert_parallel(size: int, model_config) -> list:
     """Worker processes of ranks 1..size-1 (this process joins as rank 0); [] for size 1.
 
@@ -252,9 +265,11 @@ def _start_expert_parallel(size: int, model_config) -> list:
         raise ValueError(f"invalid expert_parallel_size={size!r}: must be an int >= 1")
     if size == 1:
         return []
-    from specmoe.worker.expert_parallel import launch_workers
+    from specmoe.worker import expert_parallel as ep
     torch.set_num_threads(1)
-    return launch_workers(size, model_config)
+    if ep.launched_by_torchrun():
+        return ep.join_torchrun_group(size, model_config)
+    return ep.launch_workers(size, model_config)
 
 
 def _adaptive_policy(speculative: SpeculativeConfig | None, target: ModelRunner

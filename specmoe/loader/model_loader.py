@@ -94,8 +94,10 @@ def resolve_dtype(dtype: str, device: str | None) -> str:
     return "bfloat16" if _native_bf16(resolve_device(device), torch.bfloat16) else "float32"
 
 
-def load_model(config: ModelConfig) -> LoadedModel:
-    """Build and load the model `config.model` names.
+def load_model(config: ModelConfig, on_weights=None) -> LoadedModel:
+    """Build and load the model `config.model` names. `on_weights(model)`, if given, runs
+    once the checkpoint's weights are in, before quantisation and packing (expert
+    parallelism drops the experts other ranks hold there).
 
     Raises:
         FileNotFoundError: bad path or alias.
@@ -111,6 +113,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
         model = DecoderModel(arch, max_len)
     load_weights(model, _to_device(tensors, device), family.WEIGHT_RULES,
                  arch.tie_word_embeddings)
+    if on_weights is not None:
+        on_weights(model)
     if config.quantization is not None:
         quantize_model(model, config.quantization)
     model.eval().requires_grad_(False)

@@ -1,8 +1,17 @@
 """The engine over 2 processes with the experts sharded (`LLM(expert_parallel_size=2)`):
 rank 0 schedules and broadcasts every forward, the worker mirrors it; greedy output, plain
-and with draft speculation, equals one process's, and shutdown stops the worker."""
+and with draft speculation, equals one process's; each rank holds only its experts; the
+communication is counted (engine, bench, /metrics); a killed worker turns into an error on
+rank 0 within the timeout, not a hang; shutdown stops the worker."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -23,9 +32,62 @@ def test_two_processes_give_the_single_process_greedy_tokens():
                                     "num_speculative_tokens": 3})
         assert [o.token_ids for o in spec.generate(prompts, params)] == want
         workers = list(ep._workers)
+        n = single.target.arch.moe.num_experts
+        assert all(b.experts.num_experts == n // 2 for b in _blocks(ep))  # rank 0's half
+        comm = ep.target.comm
+        assert comm.num_forwards > 0 and comm.collective_calls > 0
+        assert comm.collective_bytes > 0 and 0 < comm.share < 1
+        _check_bench_and_metrics(ep)
     finally:
         ep.shutdown()
     assert all(not p.is_alive() and p.exitcode == 0 for p in workers)
+
+
+def _blocks(llm):
+    from specmoe.layers.moe.backends import moe_blocks
+    return moe_blocks(llm.target.model)
+
+
+def _check_bench_and_metrics(ep) -> None:
+    """A bench run reports the communication and every (token, slot) pair's rank; the
+    server's metrics export them."""
+    from specmoe.bench.throughput import run_once
+    from specmoe.entrypoints.openai.metrics import ServerMetrics
+    metrics = ServerMetrics("m")
+    assert metrics.attach_expert_parallel(ep.target)
+    before = ep.target.comm.forward_seconds
+    prompts = [{"token_ids": [5, 17, 42, 99]}, {"token_ids": [3, 3, 8]}]
+    run = run_once(ep, prompts, concurrency=2, max_tokens=6)
+    stats = run["expert_parallel"]
+    arch = ep.target.arch
+    tokens = run["engine_stats"]["num_scheduled_tokens"]
+    assert sum(stats["rank_load"]) == tokens * arch.moe.top_k * len(_blocks(ep))
+    assert 0 < stats["communication_share"] < 1 and stats["num_forwards"] == run[
+        "engine_stats"]["num_steps"]
+    assert all(type(b.stats).__name__ == "NullExpertStats" for b in _blocks(ep))
+    metrics.expert_parallel.on_step({0: [3, 0, 1, 4] + [0] * (arch.moe.num_experts - 4)})
+    text = metrics.render().decode()
+    forward = ep.target.comm.forward_seconds - before
+    assert f'specmoe:expert_parallel_forward_seconds_total{{model_name="m"}} {forward}' in text
+    assert 'specmoe:expert_parallel_rank_load_total{model_name="m",rank="0"} 8.0' in text
+    assert "specmoe:expert_parallel_communication_share" in text
+
+
+def test_a_killed_worker_is_an_error_on_rank_0_not_a_hang():
+    from specmoe.worker.expert_parallel import TIMEOUT_S
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ep = LLM("tiny-moe", dtype="float32", expert_parallel_size=2)
+    worker = ep._workers[0]
+    try:
+        ep.generate([[5, 17, 42]], params)
+        worker.kill()
+        worker.join(timeout=10)
+        start = time.monotonic()
+        with pytest.raises(Exception) as info:
+            ep.generate([[5, 17, 42]], params)
+        assert time.monotonic() - start < TIMEOUT_S + 10, info.value
+    finally:
+        ep.shutdown()
 
 
 def test_dense_models_and_bad_sizes_are_refused():
@@ -35,3 +97,23 @@ def test_dense_models_and_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="needs a MoE model"):
         LLM("tiny-moe-draft", dtype="float32", expert_parallel_size=2)
     assert not multiprocessing.active_children()
+
+
+def test_torchrun_starts_the_ranks():
+    """The same script on every rank under torchrun (the multi-machine launcher; here 2
+    processes on one): rank 0 gets the single-process tokens, holding half the experts."""
+    from specmoe.worker.expert_parallel import free_port
+    single = LLM("tiny-moe", dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = single.generate([[5, 17, 42, 99, 7, 23, 11]], params)[0].token_ids
+    script = Path(__file__).with_name("ep_torchrun_script.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
+         "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+         "--local-ranks-filter", "0", str(script)],
+        capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["tokens"] == want
+    assert got["experts"] == single.target.arch.moe.num_experts // 2

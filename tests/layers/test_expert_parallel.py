@@ -33,6 +33,17 @@ def test_expert_maps():
         ExpertMap(2, (0, 2))
 
 
+def test_a_subset_of_experts_computes_as_the_originals():
+    experts = _experts()
+    part = experts.subset([4, 1])
+    assert part.num_experts == 2 and part.w13.shape[0] == part.w2.shape[0] == 2
+    x = torch.randn(3, H)
+    for i, e in enumerate([4, 1]):
+        torch.testing.assert_close(part.expert_forward(i, x), experts.expert_forward(e, x))
+    with pytest.raises(ValueError, match=r"cannot take experts \[6\]"):
+        experts.subset([6])
+
+
 def _experts() -> RoutedExperts:
     torch.manual_seed(0)
     e = RoutedExperts(N, H, I)
@@ -83,7 +94,11 @@ def _worker(rank: int, port: int, results) -> None:
 
 def _tiny_moe_under_ep(rank: int) -> None:
     from specmoe import LLM, SamplingParams
-    from specmoe.layers.moe.expert_parallel import set_expert_parallel
+    from specmoe.layers.moe.backends import moe_blocks
+    from specmoe.layers.moe.expert_parallel import (COLLECTIVES, keep_local_experts,
+                                                    set_expert_parallel)
+    from specmoe.loader.model_loader import load_model
+    from specmoe.worker.model_runner import ModelRunner
     plain = LLM("tiny-moe", dtype="float32")
     spec = plain.with_speculative({"method": "draft", "draft_model": "tiny-moe-draft",
                                    "num_speculative_tokens": 3})
@@ -93,10 +108,20 @@ def _tiny_moe_under_ep(rank: int) -> None:
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     want = plain.generate([prompt], params)[0].token_ids
     n = runner.arch.moe.num_experts
-    set_expert_parallel(runner.model, ExpertMap.contiguous(n, 2))
+    emap = ExpertMap.contiguous(n, 2)
+    set_expert_parallel(runner.model, emap)
+    calls = COLLECTIVES.calls
     got_logits = runner.forward(runner.new_cache(32), prompt)
     torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-5)
+    assert COLLECTIVES.calls - calls == len(moe_blocks(runner.model))  # one per MoE layer
     assert spec.generate([prompt], params)[0].token_ids == want
+    # holding only this rank's experts (dropped at load, before packing) changes nothing
+    cfg = plain.config.model
+    local = ModelRunner(load_model(cfg, on_weights=lambda m: keep_local_experts(m, emap, rank)))
+    assert all(b.experts.num_experts == n // 2 for b in moe_blocks(local.model))
+    set_expert_parallel(local.model, emap)
+    torch.testing.assert_close(local.forward(local.new_cache(32), prompt), want_logits,
+                               rtol=1e-5, atol=1e-5)
 
 
 def _free_port() -> int:

@@ -114,6 +114,7 @@ def build_app(llm, served_model_name: str, api_key: str | None = None,
                          ">= 1")
     metrics = ServerMetrics(served_model_name)
     metrics.attach_expert_load(llm.target.model)
+    metrics.attach_expert_parallel(llm.target)
     engine = AsyncEngine(llm, max_waiting=max_waiting, observer=metrics)
     state = ServerState(engine, OpenAIServing(engine, served_model_name), metrics, api_key,
                         drain_timeout_s, max_request_bytes=max_request_bytes)

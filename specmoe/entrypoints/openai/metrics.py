@@ -20,7 +20,7 @@ specmoe:spec_decode_draft_k (the K each speculating request was allowed per step
 speculation off), specmoe:spec_decode_step_time_prediction_error (relative error of the
 adaptive policy's predicted step time) and specmoe:spec_decode_request_acceptance_rate
 (per finished request that drafted). Plus the standard process_* collector (resident
-memory, CPU seconds).
+memory, CPU seconds), and under expert parallelism the metrics of `ep_metrics`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, Pro
                                generate_latest)
 
 from specmoe.engine.async_engine import EngineSnapshot, FinishedRecord, NullEngineObserver
+from specmoe.entrypoints.openai.ep_metrics import ExpertParallelMetrics
 from specmoe.layers.moe.backends import moe_blocks
+from specmoe.layers.moe.stats import ExpertLoadRecorder
 
 P = "specmoe:"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -44,36 +46,6 @@ DRAFT_K_BUCKETS = tuple(float(k) for k in range(17))  # the API caps K at 16; la
 ERROR_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 RATE_BUCKETS = tuple(i / 10 for i in range(1, 11))
 EXPERT_LOAD_EVERY = 16
-
-
-class ExpertLoadRecorder:
-    """Counts, per MoE layer, the tokens routed to each expert (an expert-stats recorder for
-    `set_expert_stats`). Counts stay on the model's device during a step; `take` reads them
-    at the step boundary (the one host sync).
-
-    Args:
-        num_experts: experts per layer (N).
-    """
-
-    def __init__(self, num_experts: int) -> None:
-        self.num_experts = num_experts
-        self._counts: dict[int, torch.Tensor] = {}  # layer -> [num_experts] int64
-
-    def record(self, layer_idx: int, topk_ids: torch.Tensor,
-               topk_weights: torch.Tensor) -> None:
-        """topk_ids [num_tokens, top_k] int64 of one MoE layer's forward (the gate weights
-        are not used)."""
-        counts = torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
-        if layer_idx in self._counts:
-            self._counts[layer_idx] += counts
-        else:
-            self._counts[layer_idx] = counts
-
-    def take(self) -> dict[int, list[int]]:
-        """Counts since the previous call, per layer, and reset."""
-        out = {layer: c.tolist() for layer, c in self._counts.items()}
-        self._counts = {}
-        return out
 
 
 class ServerMetrics(NullEngineObserver):
@@ -91,6 +63,7 @@ class ServerMetrics(NullEngineObserver):
         self._last_per_pos: list[int] = []
         self.expert_load: ExpertLoadRecorder | None = None
         self._expert_switch = None
+        self.expert_parallel: ExpertParallelMetrics | None = None
         r, labels = self.registry, ["model_name"]
         ProcessCollector(registry=r)
         g = lambda name, doc: Gauge(P + name, doc, labels, registry=r)  # noqa: E731
@@ -157,11 +130,20 @@ class ServerMetrics(NullEngineObserver):
         blocks = moe_blocks(model)
         if not blocks:
             return False
-        self.expert_load = ExpertLoadRecorder(blocks[0].experts.num_experts)
+        self.expert_load = ExpertLoadRecorder(blocks[0].router.num_experts)
         self._expert_switch = _RecorderSwitch(blocks, self.expert_load, every)
         self._expert_switch.update(0)
         self._expert_counter = Counter(P + "moe_expert_load", "Tokens routed to each expert.",
                                        ["model_name", "layer", "expert"], registry=self.registry)
+        return True
+
+    def attach_expert_parallel(self, target) -> bool:
+        """Export the communication and per-rank load of an expert-parallel target (one
+        with `comm` and `expert_map`: `worker.expert_parallel.ExpertParallelRunner`); a
+        no-op returning False for any other."""
+        if not hasattr(target, "comm") or not hasattr(target, "expert_map"):
+            return False
+        self.expert_parallel = ExpertParallelMetrics(target, self.model_name, self.registry)
         return True
 
     def on_step(self, s: EngineSnapshot) -> None:
@@ -183,12 +165,15 @@ class ServerMetrics(NullEngineObserver):
         self._record_policy(s, last)
         self._last = replace(s, spec=replace(s.spec, num_accepted_per_position=[]),
                              recent_step_time_errors=())
+        counts = self.expert_load.take() if self.expert_load is not None else {}
+        for layer, per_expert in counts.items():
+            for expert, n in enumerate(per_expert):
+                if n:
+                    self._expert_counter.labels(m, str(layer), str(expert)).inc(n)
         if self.expert_load is not None:
-            for layer, counts in self.expert_load.take().items():
-                for expert, n in enumerate(counts):
-                    if n:
-                        self._expert_counter.labels(m, str(layer), str(expert)).inc(n)
             self._expert_switch.update(s.num_steps)
+        if self.expert_parallel is not None:
+            self.expert_parallel.on_step(counts)
 
     def _record_policy(self, s: EngineSnapshot, last: EngineSnapshot | None) -> None:
         """The K histogram and the step-time prediction errors since the last snapshot."""

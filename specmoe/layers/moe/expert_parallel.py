@@ -15,11 +15,14 @@ Both return, per token, sum_j w_j expert_{id_j}(x): the single-process MoE outpu
 in float32. Each rank's experts run through `run_local(rows [m, H], expert_ids [m]) ->
 [m, H]` (unweighted outputs of the rank's own experts, logical ids), e.g. the block's expert
 backend on the pairs as tokens with one expert each, so the fused MoE kernel runs them.
-`set_expert_parallel` puts a model's MoE blocks in replicated mode.
+`keep_local_experts` drops the experts other ranks hold (at load, before packing), and
+`set_expert_parallel` puts a model's MoE blocks in replicated mode. `COLLECTIVES` counts
+the time and bytes of the collectives the combines issue, for the communication share.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +85,30 @@ class ExpertMap:
         return totals
 
 
+@dataclass
+class CollectiveStats:
+    """Collectives issued by this process's MoE combines: calls, wall seconds spent in them
+    (waiting for the slowest rank included) and bytes this rank sent."""
+
+    calls: int = 0
+    seconds: float = 0.0
+    bytes_sent: int = 0
+
+    def add(self, seconds: float, nbytes: int) -> None:
+        self.calls += 1
+        self.seconds += seconds
+        self.bytes_sent += nbytes
+
+
+COLLECTIVES = CollectiveStats()
+
+
+def _timed(collective, nbytes: int, *args, **kwargs) -> None:
+    start = time.perf_counter()
+    collective(*args, **kwargs)
+    COLLECTIVES.add(time.perf_counter() - start, nbytes)
+
+
 def _weighted(run_local, rows: torch.Tensor, ids: torch.Tensor,
               weights: torch.Tensor) -> torch.Tensor:
     """float32 weights[i] * expert_{ids[i]}(rows[i]) for every pair ([m, H])."""
@@ -109,7 +136,7 @@ def combine_replicated(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     out.index_add_(0, tok, _weighted(run_local, x[tok], topk_ids[tok, slot],
                                      topk_weights[tok, slot]))
-    dist.all_reduce(out, group=group)
+    _timed(dist.all_reduce, out.numel() * out.element_size(), out, group=group)
     return out.to(x.dtype)
 
 
@@ -130,39 +157,66 @@ def combine_all_to_all(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     tok = order // k
     send = torch.bincount(dest, minlength=world)
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    _timed(dist.all_to_all_single, send.numel() * send.element_size(), recv, send, group=group)
     send_splits, recv_splits = send.tolist(), recv.tolist()
     # one float32 message per pair: the row, its gate weight, its logical expert id
     payload = torch.cat([x[tok].float(), topk_weights.reshape(-1)[order, None].float(),
                          topk_ids.reshape(-1)[order, None].float()], dim=1)
     got = payload.new_empty((sum(recv_splits), payload.shape[1]))
-    dist.all_to_all_single(got, payload, recv_splits, send_splits, group=group)
+    _timed(dist.all_to_all_single, payload.numel() * payload.element_size(), got, payload,
+           recv_splits, send_splits, group=group)
     y = _weighted(run_local, got[:, :-2].to(x.dtype), got[:, -1].long(), got[:, -2])
     back = y.new_empty((tok.numel(), x.shape[1]))
-    dist.all_to_all_single(back, y.contiguous(), send_splits, recv_splits, group=group)
+    _timed(dist.all_to_all_single, y.numel() * y.element_size(), back, y.contiguous(),
+           send_splits, recv_splits, group=group)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     out.index_add_(0, tok, back)
     return out.to(x.dtype)
 
 
-def set_expert_parallel(model: torch.nn.Module, emap: ExpertMap, group=None) -> None:
-    """Every MoE block of `model` computes only this rank's experts, through its expert
-    backend, and sums with the other ranks (`combine_replicated`). Every rank must run the
-    same forwards on the same batch.
+def keep_local_experts(model: torch.nn.Module, emap: ExpertMap, rank: int) -> None:
+    """Each MoE block of `model` keeps only the experts `rank` holds under `emap`, so a
+    rank's memory holds its share of the routed experts. Call on the loaded dense weights,
+    before quantising or packing; `set_expert_parallel` then maps logical ids to them.
 
     Raises:
         ValueError: a block whose expert count differs from the map's.
     """
     from specmoe.layers.moe.backends import moe_blocks
+    local = emap.local_experts(rank)
     for block in moe_blocks(model):
+        _check_experts(block, emap.num_experts)
+        block.experts = block.experts.subset(local)
+        block.run_experts = block.experts.forward
+
+
+def _check_experts(block, num_experts: int, local: int | None = None) -> None:
+    if block.experts.num_experts not in (num_experts, local):
+        raise ValueError(f"layer {block.layer_idx} has {block.experts.num_experts} "
+                         f"experts; the expert map has {num_experts}")
+
+
+def set_expert_parallel(model: torch.nn.Module, emap: ExpertMap, group=None) -> None:
+    """Every MoE block of `model` computes only this rank's experts, through its expert
+    backend, and sums with the other ranks (`combine_replicated`). Every rank must run the
+    same forwards on the same batch. A block may hold all experts or, after
+    `keep_local_experts`, only this rank's.
+
+    Raises:
+        ValueError: a block whose expert count is neither the map's nor this rank's share.
+    """
+    from specmoe.layers.moe.backends import moe_blocks
+    local = emap.local_experts(dist.get_rank(group))
+    for block in moe_blocks(model):
+        _check_experts(block, emap.num_experts, len(local))
+        position = torch.arange(emap.num_experts)  # logical id -> index in block.experts
         if block.experts.num_experts != emap.num_experts:
-            raise ValueError(f"layer {block.layer_idx} has {block.experts.num_experts} "
-                             f"experts; the expert map has {emap.num_experts}")
+            position[local] = torch.arange(len(local))
         backend = block.run_experts
 
-        def run_local(rows, ids, backend=backend):
+        def run_local(rows, ids, backend=backend, position=position):
             ones = torch.ones(ids.shape[0], 1, dtype=rows.dtype, device=rows.device)
-            return backend(rows, ids[:, None], ones)
+            return backend(rows, position.to(ids.device)[ids][:, None], ones)
 
         block.run_experts = (lambda x, ids, w, run_local=run_local:
                              combine_replicated(x, ids, w, run_local, emap, group))

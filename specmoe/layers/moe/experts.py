@@ -49,6 +49,23 @@ class RoutedExperts(PackedWeights, nn.Module):
         self.w13_panels, self.w2_panels = PackedWeight(), PackedWeight()
         self.reads_packed = True  # False: a backend that needs the dense weights runs
 
+    def subset(self, ids: list[int]) -> "RoutedExperts":
+        """A copy holding only experts `ids` (expert i of the copy is `ids[i]`): one rank's
+        share under expert parallelism. Call on the loaded dense weights, before packing.
+
+        Raises:
+            ValueError: an id outside [0, N), or the dense weights already released.
+        """
+        if self.w13.is_meta or not ids or not all(0 <= e < self.num_experts for e in ids):
+            raise ValueError(f"cannot take experts {ids} of {self.num_experts} "
+                             "(ids in range, dense weights not yet released for packing)")
+        with torch.device("meta"):
+            part = RoutedExperts(len(ids), self.w13.shape[-1], self.checkpoint_intermediate_size)
+        index = torch.tensor(ids, device=self.w13.device)
+        part.w13 = nn.Parameter(self.w13.detach().index_select(0, index), requires_grad=False)
+        part.w2 = nn.Parameter(self.w2.detach().index_select(0, index), requires_grad=False)
+        return part
+
     def packed_weights(self) -> list[tuple[PackedWeight, torch.Tensor]]:
         if not self.reads_packed:  # never packed, so never released
             return []

@@ -105,6 +105,7 @@ class TopKRouter(nn.Module):
                  routed_scaling_factor: float = 1.0) -> None:
         super().__init__()
         self.gate = Linear(hidden_size, num_experts)
+        self.num_experts = num_experts
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.scoring_func = scoring_func

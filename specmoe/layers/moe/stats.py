@@ -37,3 +37,33 @@ class ExpertStatsRecorder:
         ids = topk_ids.detach().to("cpu")
         self.routing.setdefault(layer_idx, []).append(ids)
         self.unique_experts.setdefault(layer_idx, []).append(int(ids.unique().numel()))
+
+
+class ExpertLoadRecorder:
+    """Counts, per MoE layer, the tokens routed to each expert (an expert-stats recorder for
+    `set_expert_stats`). Counts stay on the model's device during a step; `take` reads them
+    at the step boundary (the one host sync).
+
+    Args:
+        num_experts: experts per layer (N).
+    """
+
+    def __init__(self, num_experts: int) -> None:
+        self.num_experts = num_experts
+        self._counts: dict[int, torch.Tensor] = {}  # layer -> [num_experts] int64
+
+    def record(self, layer_idx: int, topk_ids: torch.Tensor,
+               topk_weights: torch.Tensor) -> None:
+        """topk_ids [num_tokens, top_k] int64 of one MoE layer's forward (the gate weights
+        are not used)."""
+        counts = torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
+        if layer_idx in self._counts:
+            self._counts[layer_idx] += counts
+        else:
+            self._counts[layer_idx] = counts
+
+    def take(self) -> dict[int, list[int]]:
+        """Counts since the previous call, per layer, and reset."""
+        out = {layer: c.tolist() for layer, c in self._counts.items()}
+        self._counts = {}
+        return out

@@ -1,0 +1,74 @@
+"""Prometheus metrics of expert parallelism (a target running with `expert_parallel_size` >
+1), registered next to the server's others by `ServerMetrics.attach_expert_parallel`.
+
+Counters (exposed with a `_total` suffix): specmoe:expert_parallel_forward_seconds (rank 0's
+forward wall time, the batch's broadcast included), specmoe:expert_parallel_communication_seconds
+(of that, broadcasting the batch and the MoE combines' collectives),
+specmoe:expert_parallel_collective_bytes (bytes rank 0 sent in those collectives) and
+specmoe:expert_parallel_rank_load{rank} (tokens routed to each rank's experts in the steps
+the expert load is sampled). Gauge: specmoe:expert_parallel_communication_share (communication
+over forward time since the previous engine step: the share to watch, which grows with slower
+interconnects and more ranks).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+P = "specmoe:"
+
+
+class ExpertParallelMetrics:
+    """Exports an `ExpertParallelRunner`'s `comm` stats and per-rank load.
+
+    Args:
+        runner: the engine's target (an `ExpertParallelRunner`).
+        model_name: the `model_name` label.
+        registry: where to register.
+    """
+
+    def __init__(self, runner, model_name: str, registry: CollectorRegistry) -> None:
+        self.runner, self.model_name = runner, model_name
+        labels = ["model_name"]
+        c = lambda name, doc, extra=(): Counter(  # noqa: E731
+            P + name, doc, labels + list(extra), registry=registry)
+        self.forward_seconds = c("expert_parallel_forward_seconds",
+                                 "Rank 0's forward wall time under expert parallelism (s).")
+        self.comm_seconds = c("expert_parallel_communication_seconds",
+                              "Of the forward time, broadcasting the batch and the MoE "
+                              "combines' collectives (s).")
+        self.bytes = c("expert_parallel_collective_bytes",
+                       "Bytes rank 0 sent in the MoE combines' collectives.")
+        self.rank_load = c("expert_parallel_rank_load",
+                           "Tokens routed to each rank's experts (sampled steps).", ["rank"])
+        self.share = Gauge(P + "expert_parallel_communication_share",
+                           "Communication share of forward time since the previous step.",
+                           labels, registry=registry)
+        for metric in (self.forward_seconds, self.comm_seconds, self.bytes, self.share):
+            metric.labels(model_name)
+        for rank in range(runner.expert_map.num_ranks):
+            self.rank_load.labels(model_name, str(rank))
+        self._last = self._totals()  # counts start at attach
+
+    def _totals(self) -> tuple[float, float, int]:
+        c = self.runner.comm
+        return (c.forward_seconds, c.broadcast_seconds + c.collective_seconds,
+                c.collective_bytes)
+
+    def on_step(self, expert_counts: dict[int, list[int]]) -> None:
+        """After an engine step: the communication since the previous one, and the
+        per-expert counts of the sampled step (layer -> counts; {} when not sampled)."""
+        m = self.model_name
+        now = self._totals()
+        forward, comm, nbytes = (a - b for a, b in zip(now, self._last))
+        self._last = now
+        if forward > 0:
+            self.forward_seconds.labels(m).inc(forward)
+            self.comm_seconds.labels(m).inc(max(comm, 0.0))
+            self.bytes.labels(m).inc(max(nbytes, 0))
+            self.share.labels(m).set(comm / forward)
+        emap = self.runner.expert_map
+        for counts in expert_counts.values():
+            for rank, load in enumerate(emap.rank_loads(counts)):
+                if load:
+                    self.rank_load.labels(m, str(rank)).inc(load)
