@@ -24,8 +24,14 @@ second.
   prefix of each request's); the best n maximises tokens / seconds. Each D = 0..K_max is
   tried, and the best kept.
 - Hysteresis: the previous step's Ks stay unless the new choice is predicted `hysteresis`
-  faster. Re-probing: a request held at K = 0 drafts one token every `probe_every` steps, so
-  its acceptance estimate stays current and speculation returns where it would pay.
+  faster. Re-probing: every `probe_every` steps in which some request is held at K = 0, all
+  such requests draft one token on the same step, so their acceptance estimates stay
+  current and speculation returns where it would pay; probing them together runs the draft
+  model once for the batch (a draft model must first catch up on the request's tokens, so
+  staggered probes would run it on nearly every step).
+- Speculation off: once the choice is K = 0 for every request, the same batch keeps K = 0
+  (probes aside) without re-solving for `recheck_every` steps: on a small model the choice
+  costs as much as a step.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ class AdaptiveSettings:
     prior_strength: float = 4.0
     hysteresis: float = 0.03
     probe_every: int = 16
+    recheck_every: int = 8
     window: int = 256
     min_fit_steps: int = 8
     num_experts: int = 0  # a MoE target's routed experts N and top-k (0: dense)
@@ -215,7 +222,8 @@ class AdaptivePolicy:
         self.draft_s = 0.0
         self._draft_obs = 0
         self._previous: dict[str, int] = {}
-        self._idle: dict[str, int] = {}  # consecutive steps at K = 0
+        self._since_probe = 0  # steps with a request held at K = 0 since the last probe
+        self._off: tuple[tuple[str, ...], int] | None = None  # (batch, steps) all at K = 0
         self.predicted_step_s: float | None = None
 
     def observe_verified(self, request_id: str, drafted: int, accepted: int) -> None:
@@ -258,6 +266,25 @@ class AdaptivePolicy:
         caps_a = np.minimum(np.asarray(caps, dtype=np.int64), self.s.max_k)
         if self.step_time.coef is None:  # not calibrated yet: the requests' own K
             return dict(zip(request_ids, caps_a.tolist()))
+        batch, off = tuple(request_ids), self._off
+        if off is not None and off[0] == batch and off[1] < self.s.recheck_every:
+            self._off = (batch, off[1] + 1)
+            self.predicted_step_s = None
+            return self._keep(request_ids, np.zeros(len(batch), dtype=np.int64), caps_a)
+        ks = self._solve(request_ids, caps_a, base_rows)
+        self._off = (batch, 1) if not ks.any() else None
+        return self._keep(request_ids, ks, caps_a)
+
+    def _keep(self, request_ids: list[str], ks: np.ndarray, caps: np.ndarray
+              ) -> dict[str, int]:
+        """The chosen Ks with this step's probes, remembered for the hysteresis."""
+        self._previous = dict(zip(request_ids, self._probe(ks, caps).tolist()))
+        return dict(self._previous)
+
+    def _solve(self, request_ids: list[str], caps_a: np.ndarray, base_rows: int
+               ) -> np.ndarray:
+        """The best Ks for the batch (module docstring), with the hysteresis, and the
+        predicted step time."""
         def step_s(drafts: np.ndarray, misses: np.ndarray) -> np.ndarray:
             return self.step_time.predict(base_rows + drafts, 1.0 - np.exp(misses))
 
@@ -270,21 +297,22 @@ class AdaptivePolicy:
         if rate <= predicted_rate(prev, gains, step_s, self.draft_s, miss) * (
                 1 + self.s.hysteresis):
             ks = prev
-        ks = self._probe(request_ids, ks, caps_a)
         self.predicted_step_s = _step_seconds(ks, step_s, miss)
-        self._previous = dict(zip(request_ids, ks.tolist()))
-        return dict(self._previous)
-
-    def _probe(self, request_ids: list[str], ks: np.ndarray, caps: np.ndarray) -> np.ndarray:
-        ks = ks.copy()
-        for i, r in enumerate(request_ids):
-            idle = self._idle.get(r, 0) + 1 if ks[i] == 0 else 0
-            if idle >= self.s.probe_every and caps[i] > 0:
-                ks[i], idle = 1, 0
-            self._idle[r] = idle
         return ks
+
+    def _probe(self, ks: np.ndarray, caps: np.ndarray) -> np.ndarray:
+        """Every `probe_every` steps with a request held at K = 0, all of them draft one."""
+        idle = (ks == 0) & (caps > 0)
+        if not idle.any():
+            self._since_probe = 0
+            return ks
+        self._since_probe += 1
+        if self._since_probe < self.s.probe_every:
+            return ks
+        self._since_probe = 0
+        self.predicted_step_s = None  # the prediction was for the Ks without the probes
+        return np.where(idle, 1, ks)
 
     def forget(self, request_id: str) -> None:
         self.acceptance.forget(request_id)
         self._previous.pop(request_id, None)
-        self._idle.pop(request_id, None)

@@ -102,6 +102,27 @@ def test_requests_held_at_zero_are_reprobed():
     assert chosen == [0, 0, 1, 0, 0, 1, 0, 0, 1]
 
 
+def test_requests_held_at_zero_probe_on_the_same_step(monkeypatch):
+    """Requests that joined at different steps probe together (one draft run for the
+    batch), and while every request stays at K = 0 the choice is re-solved only every
+    `recheck_every` steps or when the batch changes."""
+    import specmoe.spec_decode.adaptive as adaptive
+    p = AdaptivePolicy(AdaptiveSettings(max_k=4, probe_every=4, recheck_every=5))
+    _calibrated(p, 0.0, 0.001)
+    solves = []
+    real = adaptive.choose_ks
+    monkeypatch.setattr(adaptive, "choose_ks", lambda *a: solves.append(1) or real(*a))
+    steps = [p.choose(["a"], [4], 1), p.choose(["a"], [4], 1),
+             p.choose(["a", "b"], [4, 4], 2), p.choose(["a", "b"], [4, 4], 2),
+             p.choose(["a", "b"], [4, 4], 2), p.choose(["a", "b", "c"], [4, 4, 0], 3)]
+    assert [sum(s.values()) for s in steps] == [0, 0, 0, 2, 0, 0]  # a and b at step 4
+    assert steps[3] == {"a": 1, "b": 1}
+    assert len(solves) == 3  # step 1, the batch growing at steps 3 and 6
+    for _ in range(5):
+        p.choose(["a", "b", "c"], [4, 4, 0], 3)
+    assert len(solves) == 4  # re-solved once recheck_every steps have passed
+
+
 # ---- MoE targets: the step time follows the experts the windows touch ----
 
 from specmoe.spec_decode.routing_overlap import (miss_log, segment_overlap,  # noqa: E402
