@@ -173,6 +173,10 @@ class ArchConfig:
                              f"of num_key_value_heads={self.num_key_value_heads}")
         if self.qk_norm not in ("none", "per_head", "full"):
             raise ValueError(f"invalid qk_norm={self.qk_norm!r}")
+        if self.mla is not None and self.num_key_value_heads != self.num_attention_heads:
+            raise ValueError(f"MLA expands its latent to every head: num_key_value_heads="
+                             f"{self.num_key_value_heads} must equal num_attention_heads="
+                             f"{self.num_attention_heads}")
 
     @property
     def is_moe(self) -> bool:

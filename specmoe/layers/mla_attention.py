@@ -93,7 +93,8 @@ def _padded(x: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
 
 def _attend_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
                      group: DecodeGroup, scale: float, w_kv: torch.Tensor) -> torch.Tensor:
-    """[rows, H, v] for a decode group's rows (order of group.token_index), in float32.
+    """[rows, H, v] in q_nope's dtype for a decode group's rows (order of
+    group.token_index), computed in float32.
 
     The queries of all heads and query positions of a sequence are the rows of one matmul
     against its gathered latent rows (one shared key/value "head"), masked per position.
@@ -112,7 +113,7 @@ def _attend_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Ten
     probs = torch.softmax(scores, dim=-1).view(batch, group.max_query * num_heads, length)
     o_lat = torch.matmul(probs, kv[..., :rank])  # [B, t * H, rank]
     o_lat = o_lat.view(batch * group.max_query, num_heads, rank)[group.padded_index]
-    return torch.einsum("thr,hvr->thv", o_lat, w_uv)  # [rows, H, v]
+    return torch.einsum("thr,hvr->thv", o_lat, w_uv).to(q_nope.dtype)  # [rows, H, v]
 
 
 def _attend_decompressed(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
