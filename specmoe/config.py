@@ -137,7 +137,8 @@ class ArchConfig:
         architecture: HuggingFace architecture name, e.g. "LlamaForCausalLM".
         qk_norm: "none", "per_head" (Qwen3: RMSNorm over head_dim) or "full" (OLMoE: over
             the whole projected q/k).
-        rope_scaling: None or a dict with "rope_type" in ("linear", "llama3") and its fields.
+        rope_scaling: None or a dict with "rope_type" in ("linear", "llama3", "yarn") and its
+            fields.
         sliding_window: attention window in tokens (None: full attention).
         clip_qkv: clamp q, k, v projections to [-clip_qkv, clip_qkv] (OLMoE), or None.
         mla: Multi-head Latent Attention (DeepSeek-V2/V3) instead of grouped-query
