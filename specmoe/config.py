@@ -82,6 +82,54 @@ class MoEConfig:
 
 
 @dataclass
+class MLAConfig:
+    """Multi-head Latent Attention (DeepSeek-V2, arXiv 2405.04434 sec. 2.1): keys and values
+    of all heads are up-projected from one compressed latent per token, which is all the KV
+    cache holds, beside one RoPE'd key shared by the heads.
+
+    Attributes:
+        q_lora_rank: rank of the query's low-rank compression (q_a_proj, its RMSNorm, then
+            q_b_proj), or None for one q_proj (DeepSeek-V2-Lite).
+        kv_lora_rank: width of the latent c_kv (the cache holds it per token and layer).
+        qk_nope_head_dim: per-head query/key dimensions without RoPE.
+        qk_rope_head_dim: per-head query dimensions with RoPE, and of the shared RoPE'd key.
+        v_head_dim: per-head value dimension.
+        rope_interleave: the RoPE dimensions pair up as (0, 1), (2, 3), ... (DeepSeek's
+            layout) rather than (i, i + d/2) (the "neox" halves).
+    """
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"invalid MLA {name}={value!r}: must be an int >= 1")
+        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int)
+                                             or self.q_lora_rank < 1):
+            raise ValueError(f"invalid MLA q_lora_rank={self.q_lora_rank!r}: must be None or "
+                             "an int >= 1")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"invalid MLA qk_rope_head_dim={self.qk_rope_head_dim}: RoPE "
+                             "rotates pairs, it must be even")
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Per-head query/key dimension (no RoPE part, then RoPE part)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values the KV cache holds per token and layer: c_kv then the RoPE'd key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass
 class ArchConfig:
     """Decoder-only transformer architecture (Llama-style attention, dense or MoE MLP).
 
@@ -89,9 +137,13 @@ class ArchConfig:
         architecture: HuggingFace architecture name, e.g. "LlamaForCausalLM".
         qk_norm: "none", "per_head" (Qwen3: RMSNorm over head_dim) or "full" (OLMoE: over
             the whole projected q/k).
-        rope_scaling: None or a dict with "rope_type" in ("linear", "llama3") and its fields.
+        rope_scaling: None or a dict with "rope_type" in ("linear", "llama3", "yarn") and its
+            fields.
         sliding_window: attention window in tokens (None: full attention).
         clip_qkv: clamp q, k, v projections to [-clip_qkv, clip_qkv] (OLMoE), or None.
+        mla: Multi-head Latent Attention (DeepSeek-V2/V3) instead of grouped-query
+            attention, or None. With it, head_dim is the RoPE dimension (qk_rope_head_dim,
+            as transformers writes it) and num_key_value_heads equals num_attention_heads.
     """
 
     architecture: str
@@ -112,6 +164,7 @@ class ArchConfig:
     sliding_window: int | None = None
     clip_qkv: float | None = None
     moe: MoEConfig | None = None
+    mla: MLAConfig | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -121,17 +174,39 @@ class ArchConfig:
                              f"of num_key_value_heads={self.num_key_value_heads}")
         if self.qk_norm not in ("none", "per_head", "full"):
             raise ValueError(f"invalid qk_norm={self.qk_norm!r}")
+        if self.mla is not None and self.num_key_value_heads != self.num_attention_heads:
+            raise ValueError(f"MLA expands its latent to every head: num_key_value_heads="
+                             f"{self.num_key_value_heads} must equal num_attention_heads="
+                             f"{self.num_attention_heads}")
 
     @property
     def is_moe(self) -> bool:
         return self.moe is not None
 
     @property
+    def kv_cache_values_per_token(self) -> int:
+        """Values one layer's KV cache holds per token: a key and a value per key/value
+        head, or for MLA the latent and the shared RoPE'd key (`MLAConfig.latent_dim`)."""
+        if self.mla is not None:
+            return self.mla.latent_dim
+        return 2 * self.num_key_value_heads * self.head_dim
+
+    @property
     def attention_params(self) -> int:
-        """Weights of one layer's q, k, v and o projections (biases and norms left out)."""
+        """Weights of one layer's q, k, v and o projections (biases and norms left out);
+        for MLA its q (or q_a and q_b), kv_a, kv_b and o projections."""
+        if self.mla is not None:
+            return self._mla_params(self.mla)
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
         return self.hidden_size * (q + 2 * kv) + q * self.hidden_size
+
+    def _mla_params(self, m: MLAConfig) -> int:
+        h, heads = self.hidden_size, self.num_attention_heads
+        q_out = heads * m.qk_head_dim
+        q = h * q_out if m.q_lora_rank is None else m.q_lora_rank * (h + q_out)
+        kv = h * m.latent_dim + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
+        return q + kv + heads * m.v_head_dim * h
 
     def gated_mlp_params(self, intermediate_size: int) -> int:
         """Weights of a gated MLP (gate, up and down projections) of that hidden width."""

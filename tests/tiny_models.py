@@ -1,7 +1,7 @@
 """Random tiny models written to disk for tests that need a real checkpoint but no real
 weights (engine, server and fuzz tests): they load through the normal HuggingFace-directory
 loader in milliseconds. Also random experts, routings and weights and a small Qwen2-MoE
-config for the kernel and fused-driver tests."""
+config for the kernel and fused-driver tests, and tiny DeepSeek-V2/V3 configs."""
 
 from __future__ import annotations
 
@@ -79,3 +79,45 @@ def qwen2_moe_arch(moe_intermediate_size: int, shared_gate: bool = True):
                       num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
                       rope_theta=10000.0, max_position_embeddings=512, attention_bias=True,
                       moe=moe)
+
+
+# DeepSeek (Multi-head Latent Attention): transformers' eager attention repeats key/value
+# heads num_attention_heads // num_key_value_heads times, so the two must be equal.
+_DEEPSEEK = dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                 n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                 n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=32,
+                 qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+_DEEPSEEK_YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64,
+                      mscale=0.707, mscale_all_dim=1.0, beta_fast=32, beta_slow=1,
+                      rope_theta=10000.0)
+DEEPSEEK_CASES = ("deepseek_v2_lite", "deepseek_v2_group_limited", "deepseek_v3",
+                  "deepseek_v3_yarn_halves")
+
+
+def deepseek_config(case: str, **base) -> transformers.PretrainedConfig:
+    """A tiny DeepSeek transformers config (3 layers, the first dense; 8 routed experts top
+    2 and a shared expert; kv_lora_rank 32, qk_nope 16, qk_rope 8, v 16, 4 heads); `base`
+    gives the rest (vocab_size, hidden_size, intermediate_size, ...; its values for those
+    fields are replaced).
+
+    Cases: "deepseek_v2_lite" (q_proj without LoRA, greedy softmax routing),
+    "deepseek_v2_group_limited" (q LoRA 48, group-limited greedy, scaling 2),
+    "deepseek_v3" (q LoRA 48, sigmoid noaux_tc over 2 groups keeping 1, renormalised,
+    scaling 2.5), "deepseek_v3_yarn_halves" (YaRN with mscale, RoPE on halves rather than
+    interleaved pairs, no q LoRA, 4 groups keeping 2, not renormalised)."""
+    cfg = {**base, **_DEEPSEEK}
+    if case == "deepseek_v2_lite":
+        return transformers.DeepseekV2Config(**cfg, q_lora_rank=None)
+    if case == "deepseek_v2_group_limited":
+        return transformers.DeepseekV2Config(**cfg, q_lora_rank=48,
+                                             topk_method="group_limited_greedy", n_group=2,
+                                             topk_group=1, routed_scaling_factor=2.0)
+    if case == "deepseek_v3":
+        return transformers.DeepseekV3Config(**cfg, q_lora_rank=48, n_group=2, topk_group=1,
+                                             routed_scaling_factor=2.5)
+    if case == "deepseek_v3_yarn_halves":
+        return transformers.DeepseekV3Config(**cfg, q_lora_rank=None, n_group=4,
+                                             topk_group=2, rope_interleave=False,
+                                             norm_topk_prob=False,
+                                             rope_parameters=_DEEPSEEK_YARN)
+    raise KeyError(case)

@@ -170,13 +170,13 @@ class ShapeCounts:
         Raises:
             ValueError: some layers MoE and others dense (the model sums identical layers).
         """
-        h, kv = arch.hidden_size, arch.num_key_value_heads * arch.head_dim
+        h, kv_values = arch.hidden_size, arch.kv_cache_values_per_token
         head = arch.vocab_size * h
         moe = arch.moe
         if moe is None or not moe.moe_layers:
             return cls(arch.num_hidden_layers, arch.attention_params,
                        arch.gated_mlp_params(arch.intermediate_size), 0, 0, head,
-                       2 * kv * dtype_bytes, 0, 0, dtype_bytes)
+                       kv_values * dtype_bytes, 0, 0, dtype_bytes)
         if len(moe.moe_layers) != arch.num_hidden_layers:
             raise ValueError(f"{len(moe.moe_layers)} of {arch.num_hidden_layers} layers are "
                              "MoE: the cost model sums identical layers")
@@ -184,7 +184,7 @@ class ShapeCounts:
         shared_params = arch.gated_mlp_params(shared) + h if shared else 0
         return cls(arch.num_hidden_layers, arch.attention_params, shared_params,
                    arch.gated_mlp_params(moe.moe_intermediate_size), h * moe.num_experts,
-                   head, 2 * kv * dtype_bytes, moe.num_experts, moe.top_k, dtype_bytes)
+                   head, kv_values * dtype_bytes, moe.num_experts, moe.top_k, dtype_bytes)
 
 
 def features(shape: ShapeCounts, machine: MachineProfile, batch_size: int, num_tokens: int,

@@ -74,8 +74,8 @@ def model_bytes(model: nn.Module, arch: ArchConfig, unique_per_layer: list[int],
         raise ValueError(f"{len(unique_per_layer)} unique counts for {len(blocks)} MoE layers")
     all_experts = sum(b.experts.num_experts * expert_bytes(b) for b in blocks)
     experts = sum(u * expert_bytes(b) for b, u in zip(blocks, unique_per_layer))
-    kv = (arch.num_hidden_layers * (context_len + num_tokens) * 2
-          * arch.num_key_value_heads * arch.head_dim * dtype_bytes)
+    kv = (arch.num_hidden_layers * (context_len + num_tokens)
+          * arch.kv_cache_values_per_token * dtype_bytes)
     other = (weight_bytes_per_token(model) - all_experts
              + num_distinct_tokens * arch.hidden_size * dtype_bytes + kv)
     return experts, other

@@ -29,7 +29,9 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        rotary = RotaryEmbedding(config.head_dim, max_position, config.rope_theta,
+        # MLA rotates only the qk_rope_head_dim dimensions of its query and shared key
+        rope_dim = config.mla.qk_rope_head_dim if config.mla is not None else config.head_dim
+        rotary = RotaryEmbedding(rope_dim, max_position, config.rope_theta,
                                  config.rope_scaling)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers))
@@ -39,12 +41,13 @@ class DecoderModel(nn.Module):
         self.fused_layers = FusedLayers()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata
+                kv_caches: list[tuple[torch.Tensor, ...]], meta: AttentionMetadata
                 ) -> torch.Tensor:
-        """input_ids [T] int64; positions [T] int64; one (k, v) cache per layer.
+        """input_ids [T] int64; positions [T] int64; one cache per layer ((k, v), or
+        (latent,) for MLA: `PagedKVCache`).
         Returns final hidden states [T, hidden_size].
 
-        Dense bf16 models on CPU run the layers in one native call (`fused_layers`, the
+        bf16 models on CPU without MLA run the layers in one native call (`fused_layers`, the
         same kernels and bits as the modules, which run everywhere else)."""
         x = self.embed_tokens(input_ids)  # [T, hidden_size]
         fused = self.fused_layers.try_run(self, x, positions, kv_caches, meta)

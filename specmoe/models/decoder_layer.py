@@ -1,5 +1,6 @@
-"""One pre-norm decoder block of `DecoderModel`: attention, then a dense SwiGLU MLP or a
-sparse MoE block. Its own module so that `fused_layers`, which runs a stack of these blocks
+"""One pre-norm decoder block of `DecoderModel`: attention (grouped-query, or DeepSeek's
+Multi-head Latent Attention when the config has `mla`), then a dense SwiGLU MLP or a sparse
+MoE block. Its own module so that `fused_layers`, which runs a stack of these blocks
 in one native call and checks that each layer is exactly this type, and `decoder`, which
 builds the stack and owns the fused driver, both depend on it without depending on each
 other."""
@@ -11,6 +12,7 @@ from torch import nn
 
 from specmoe.config import ArchConfig
 from specmoe.layers.attention import Attention
+from specmoe.layers.mla import MLAttention
 from specmoe.layers.mlp import GatedMLP
 from specmoe.layers.moe.block import SparseMoEBlock
 from specmoe.layers.norm import RMSNorm
@@ -24,7 +26,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ArchConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(config, rotary)
+        self.attn = (MLAttention(config, rotary) if config.mla is not None
+                     else Attention(config, rotary))
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.moe is not None and layer_idx in config.moe.moe_layers:
             self.mlp = SparseMoEBlock(config.hidden_size, config.moe, layer_idx)
@@ -32,9 +35,10 @@ class DecoderLayer(nn.Module):
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+                kv_cache: tuple[torch.Tensor, ...], meta: AttentionMetadata
                 ) -> torch.Tensor:
-        """x [T, hidden_size] (not modified); positions [T] int64; this layer's (k, v)
-        cache. Returns [T, hidden_size] in x's dtype."""
+        """x [T, hidden_size] (not modified); positions [T] int64; this layer's cache
+        tensors ((k, v), or (latent,) for MLA: `PagedKVCache`). Returns [T, hidden_size] in
+        x's dtype."""
         x = x + self.attn(self.input_norm(x), positions, kv_cache, meta)
         return x + self.mlp(self.post_attn_norm(x))

@@ -1,17 +1,18 @@
 """The decoder layers of a bf16 model on CPU in one native call per forward.
 
 `DecoderModel.forward` runs its layers through `FusedLayers.try_run` when every layer is a
-plain pre-norm block (`DecoderLayer`, no q/k clipping, no per-head q/k norm, no hooks, one
-RoPE table) whose MLP is a `GatedMLP` or a sparse MoE block the driver runs as its modules
-do (`specmoe.models.fused_moe`: the "fused" expert backend or int4 quantised experts, no
-expert-stats recorder), whose projections are bf16 `Linear`s with packed weights or (dense
-and shared-expert ones) `Int4Linear`s on our int4 kernel (at most `gemv_int4.MAX_ROWS` rows
-then, as a draft model's steps have), and the kernels take the shapes. Otherwise, and with
-the CPU kernels switched off, it runs the modules one by one, which are the reference: the
-driver calls the same kernels with the same arguments (`specmoe.kernels.decoder`), so the
-two give the same bits (tests/models/test_fused_layers.py). Inputs the modules would reject
-(a position past the RoPE table, a cache slot out of range) also go to the modules, which
-raise.
+plain pre-norm block (`DecoderLayer` with grouped-query `Attention`: never DeepSeek's
+Multi-head Latent Attention, whose latent cache the kernels do not read; no q/k clipping, no
+per-head q/k norm, no hooks, one RoPE table) whose MLP is a `GatedMLP` or a sparse MoE block
+the driver runs as its modules do (`specmoe.models.fused_moe`: the "fused" expert backend or
+int4 quantised experts, no expert-stats recorder), whose projections are bf16 `Linear`s with
+packed weights or (dense and shared-expert ones) `Int4Linear`s on our int4 kernel (at most
+`gemv_int4.MAX_ROWS` rows then, as a draft model's steps have), and the kernels take the
+shapes. Otherwise, and with the CPU kernels switched off, it runs the modules one by one,
+which are the reference: the driver calls the same kernels with the same arguments
+(`specmoe.kernels.decoder`), so the two give the same bits
+(tests/models/test_fused_layers.py). Inputs the modules would reject (a position past the
+RoPE table, a cache slot out of range) also go to the modules, which raise.
 
 The pointer table is built at a model's first forward and checked in O(1) per forward
 (walking ~1000 module attributes every forward is slow, once a decode step's weights have
@@ -207,13 +208,14 @@ class FusedLayers:
         self._forget()
 
     def try_run(self, model, x: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                kv_caches: list[tuple[torch.Tensor, ...]],
                 meta: AttentionMetadata) -> torch.Tensor | None:
         """model's layers over x ([T, hidden] bf16, not modified) -> [T, hidden], or None
         when the fused path does not apply (then run the modules). Raises RuntimeError if
         a kernel fails midway (out of memory; nothing else that passes the checks here)."""
-        if not (_enabled and not torch.is_grad_enabled() and x.is_cpu and x.dtype is BF16
-                and x.dim() == 2 and 0 < x.shape[0] <= attention.MAX_ROWS
+        if not (_enabled and model.config.mla is None and not torch.is_grad_enabled()
+                and x.is_cpu and x.dtype is BF16 and x.dim() == 2
+                and 0 < x.shape[0] <= attention.MAX_ROWS
                 and x.shape[1] == model.config.hidden_size and decoder.available()
                 and len(kv_caches) == len(model.layers) > 0):
             return None

@@ -5,9 +5,10 @@ from __future__ import annotations
 from types import ModuleType
 
 from specmoe.config import ArchConfig
-from specmoe.models import llama, mixtral, olmoe, qwen2_moe, qwen3, qwen3_moe
+from specmoe.models import deepseek, llama, mixtral, olmoe, qwen2_moe, qwen3, qwen3_moe
 
-_FAMILIES: tuple[ModuleType, ...] = (llama, mixtral, qwen2_moe, qwen3, qwen3_moe, olmoe)
+_FAMILIES: tuple[ModuleType, ...] = (llama, mixtral, qwen2_moe, qwen3, qwen3_moe, olmoe,
+                                     deepseek)
 _BY_ARCH = {arch: fam for fam in _FAMILIES for arch in fam.ARCHITECTURES}
 
 

@@ -67,5 +67,34 @@ MIXTRAL_RULES = [
          "layers.{l}.mlp.experts.w2"),
 ]
 
+# DeepSeek-V2/V3: the norms, embeddings, head and dense MLPs of COMMON_RULES; Multi-head
+# Latent Attention (`specmoe.layers.mla`); MoE blocks with a router score-correction bias
+# (V3) and `shared_experts` (plural, no gate). transformers' save_pretrained writes the
+# routed experts one by one, under the names below.
+_MLA = _L + r"self_attn\."
+DEEPSEEK_RULES = [r for r in COMMON_RULES if "self_attn" not in r.pattern.pattern] + [
+    rule(_MLA + r"q_proj\.weight", "layers.{l}.attn.q_proj.weight"),
+    rule(_MLA + r"q_a_proj\.(?P<p>weight|bias)", "layers.{l}.attn.q_a_proj.{p}"),
+    rule(_MLA + r"q_a_layernorm\.weight", "layers.{l}.attn.q_a_layernorm.weight"),
+    rule(_MLA + r"q_b_proj\.weight", "layers.{l}.attn.q_b_proj.weight"),
+    rule(_MLA + r"kv_a_proj_with_mqa\.(?P<p>weight|bias)",
+         "layers.{l}.attn.kv_a_proj_with_mqa.{p}"),
+    rule(_MLA + r"kv_a_layernorm\.weight", "layers.{l}.attn.kv_a_layernorm.weight"),
+    rule(_MLA + r"kv_b_proj\.weight", "layers.{l}.attn.kv_b_proj.weight"),
+    rule(_MLA + r"o_proj\.(?P<p>weight|bias)", "layers.{l}.attn.o_proj.{p}"),
+    rule(_L + r"mlp\.gate\.weight", "layers.{l}.mlp.router.gate.weight"),
+    rule(_L + r"mlp\.gate\.e_score_correction_bias",
+         "layers.{l}.mlp.router.e_score_correction_bias"),
+    rule(_L + r"mlp\.experts\.(?P<e>\d+)\.gate_proj\.weight", "layers.{l}.mlp.experts.w13", 0),
+    rule(_L + r"mlp\.experts\.(?P<e>\d+)\.up_proj\.weight", "layers.{l}.mlp.experts.w13", 1),
+    rule(_L + r"mlp\.experts\.(?P<e>\d+)\.down_proj\.weight", "layers.{l}.mlp.experts.w2"),
+    rule(_L + r"mlp\.shared_experts\.gate_proj\.weight",
+         "layers.{l}.mlp.shared_expert.gate_up_proj.weight", 0),
+    rule(_L + r"mlp\.shared_experts\.up_proj\.weight",
+         "layers.{l}.mlp.shared_expert.gate_up_proj.weight", 1),
+    rule(_L + r"mlp\.shared_experts\.down_proj\.weight",
+         "layers.{l}.mlp.shared_expert.down_proj.weight"),
+]
+
 # Checkpoint entries that carry no weights we need (derived buffers).
 IGNORED = [re.compile(r".*rotary_emb\.inv_freq$")]

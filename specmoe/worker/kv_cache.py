@@ -8,11 +8,16 @@ from specmoe.config import ArchConfig
 
 
 class PagedKVCache:
-    """Per layer a (key, value) pair of [num_blocks * block_size, num_kv_heads, head_dim]
-    tensors: flat views of `num_blocks` KV cache blocks of `block_size` positions each.
+    """Per layer the tensors of `num_blocks` KV cache blocks of `block_size` positions each,
+    as flat views ([num_blocks * block_size, ...], slot = block * block_size + offset):
+    - attention: a (key, value) pair of [slots, num_kv_heads, head_dim];
+    - Multi-Head Latent Attention (`arch.mla`): a 1-tuple (latent,) of [slots,
+      kv_lora_rank + qk_rope_head_dim], the normalised c_kv then the RoPE'd shared key
+      (`specmoe.layers.mla_attention`), which the heads' keys and values are computed from.
 
     The block pool (engine/block_pool.py) decides which blocks a sequence owns; this class only
-    holds the memory. Zero-filled, so padded reads are finite.
+    holds the memory, so scheduling, prefix caching and rollback are the same for both.
+    Zero-filled, so padded reads are finite.
 
     Raises:
         ValueError: `num_blocks` or `block_size` < 1.
@@ -23,22 +28,29 @@ class PagedKVCache:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"invalid num_blocks={num_blocks} / block_size={block_size}: "
                              "both must be >= 1")
-        shape = (num_blocks * block_size, arch.num_key_value_heads, arch.head_dim)
-        self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
-                        torch.zeros(shape, dtype=dtype, device=device))
-                       for _ in range(arch.num_hidden_layers)]
+        slots = num_blocks * block_size
+        if arch.mla is not None:
+            shape = (slots, arch.mla.latent_dim)
+            self.layers = [(torch.zeros(shape, dtype=dtype, device=device),)
+                           for _ in range(arch.num_hidden_layers)]
+        else:
+            shape = (slots, arch.num_key_value_heads, arch.head_dim)
+            self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
+                            torch.zeros(shape, dtype=dtype, device=device))
+                           for _ in range(arch.num_hidden_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
 
     @staticmethod
     def bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes of keys and values one block takes over all layers."""
-        per_token = 2 * arch.num_key_value_heads * arch.head_dim * dtype.itemsize
+        """Bytes one block takes over all layers (`ArchConfig.kv_cache_values_per_token`
+        values per position and layer)."""
+        per_token = arch.kv_cache_values_per_token * dtype.itemsize
         return per_token * block_size * arch.num_hidden_layers
 
     @property
     def num_bytes(self) -> int:
-        return sum(k.numel() * k.element_size() * 2 for k, _ in self.layers)
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer)
 
 
 class SequenceKVCache:
@@ -62,7 +74,7 @@ class SequenceKVCache:
         self.num_computed = 0
 
     @property
-    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def layers(self) -> list[tuple[torch.Tensor, ...]]:
         return self.paged.layers
 
     def check_room(self, num_new: int) -> None:

@@ -22,6 +22,7 @@ from specmoe import LLM, SamplingParams
 from specmoe.config import ModelConfig
 from specmoe.loader.model_loader import LoadedModel, load_model
 from specmoe.worker.model_runner import ModelRunner, SequenceInput
+from tiny_models import deepseek_config
 
 VOCAB_SIZE = 160
 SEQ_LEN = 24
@@ -75,13 +76,16 @@ def _config(case: str) -> transformers.PretrainedConfig:
                                            mlp_only_layers=[1])
     if case == "olmoe":
         return transformers.OlmoeConfig(**base, **_MOE, clip_qkv=0.5)
+    if case.startswith("deepseek"):
+        return deepseek_config(case, **base)
     raise KeyError(case)
 
 
 CASES = ["llama_tied_llama3_rope", "llama_linear_rope", "mistral_sliding_window", "qwen2",
          "qwen3", "mixtral", "qwen2_moe_sparse_step", "qwen2_moe_padded_experts",
          "qwen3_moe_norm_topk",
-         "qwen3_moe_no_norm_topk_mlp_only", "olmoe"]
+         "qwen3_moe_no_norm_topk_mlp_only", "olmoe", "deepseek_v2_lite",
+         "deepseek_v2_group_limited", "deepseek_v3", "deepseek_v3_yarn_halves"]
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -97,11 +101,15 @@ class Family:
 
 
 def _randomise_vectors(model: torch.nn.Module) -> None:
-    """Norm weights and biases start at 1 and 0: perturb them so loading them is tested."""
+    """Norm weights and biases start at 1 and 0, DeepSeek-V3's router score-correction bias
+    (a buffer in transformers) at 0: perturb them so loading them is tested."""
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.add_(0.1 * torch.randn_like(b))
 
 
 @pytest.fixture(scope="module", params=CASES)
@@ -135,7 +143,8 @@ def test_parsed_architecture(family: Family):
     hf_moe_layers = [i for i, layer in enumerate(family.hf_model.model.layers)
                      if hasattr(layer.mlp, "gate")]
     assert (arch.moe.moe_layers if arch.is_moe else []) == hf_moe_layers
-    if family.case in ("qwen2_moe_sparse_step", "qwen3_moe_no_norm_topk_mlp_only"):
+    if family.case in ("qwen2_moe_sparse_step", "qwen3_moe_no_norm_topk_mlp_only") or \
+            family.case.startswith("deepseek"):
         assert 0 < len(hf_moe_layers) < cfg.num_hidden_layers  # dense and MoE layers mixed
 
 

@@ -84,7 +84,7 @@ class TopKRouter(nn.Module):
     DeepSeek's options (names as in their configs; `MoEConfig` documents them): sigmoid
     scoring, group-limited top-k (`topk_method` "group_limited_greedy": groups ranked by
     their best score; "noaux_tc": the choice made on score + `e_score_correction_bias`, a
-    [N] float32 buffer loaded from the checkpoint, groups ranked by the sum of their two
+    [N] float32 parameter loaded from the checkpoint, groups ranked by the sum of their two
     best, the weights taken from the uncorrected scores). The native router kernel runs
     plain softmax top-k only (`is_softmax_topk`); the others run `route_reference`. One
     divergence from DeepSeek-V2's code, which skips the scaling when it renormalises: here
@@ -113,9 +113,11 @@ class TopKRouter(nn.Module):
         self.n_group = n_group
         self.topk_group = topk_group
         self.routed_scaling_factor = routed_scaling_factor
-        bias = torch.zeros(num_experts, dtype=torch.float32) if topk_method == "noaux_tc" \
-            else None
-        self.register_buffer("e_score_correction_bias", bias)
+        # A parameter (never trained) rather than a buffer: checkpoints carry it, and the
+        # weight loader fills, and checks, parameters.
+        bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), requires_grad=False
+                            ) if topk_method == "noaux_tc" else None
+        self.register_parameter("e_score_correction_bias", bias)
 
     @classmethod
     def from_config(cls, hidden_size: int, moe) -> "TopKRouter":
