@@ -42,18 +42,24 @@ COMMON_RULES = [
     rule(_L + r"mlp\.down_proj\.weight", "layers.{l}.mlp.down_proj.weight"),
 ]
 
+def _moe_rules(shared: str) -> list[WeightRule]:
+    """The router gate, the routed experts one by one, and the shared expert, which the
+    checkpoint calls `shared` (Qwen: "shared_expert", DeepSeek: "shared_experts")."""
+    experts, sh = _L + r"mlp\.experts\.(?P<e>\d+)\.", _L + r"mlp\." + shared + r"\."
+    target = "layers.{l}.mlp.shared_expert."
+    return [
+        rule(_L + r"mlp\.gate\.weight", "layers.{l}.mlp.router.gate.weight"),
+        rule(experts + r"gate_proj\.weight", "layers.{l}.mlp.experts.w13", 0),
+        rule(experts + r"up_proj\.weight", "layers.{l}.mlp.experts.w13", 1),
+        rule(experts + r"down_proj\.weight", "layers.{l}.mlp.experts.w2"),
+        rule(sh + r"gate_proj\.weight", target + "gate_up_proj.weight", 0),
+        rule(sh + r"up_proj\.weight", target + "gate_up_proj.weight", 1),
+        rule(sh + r"down_proj\.weight", target + "down_proj.weight"),
+    ]
+
+
 # Qwen2-MoE, Qwen3-MoE and OLMoE name their MoE blocks alike.
-QWEN_MOE_RULES = [
-    rule(_L + r"mlp\.gate\.weight", "layers.{l}.mlp.router.gate.weight"),
-    rule(_L + r"mlp\.experts\.(?P<e>\d+)\.gate_proj\.weight", "layers.{l}.mlp.experts.w13", 0),
-    rule(_L + r"mlp\.experts\.(?P<e>\d+)\.up_proj\.weight", "layers.{l}.mlp.experts.w13", 1),
-    rule(_L + r"mlp\.experts\.(?P<e>\d+)\.down_proj\.weight", "layers.{l}.mlp.experts.w2"),
-    rule(_L + r"mlp\.shared_expert\.gate_proj\.weight",
-         "layers.{l}.mlp.shared_expert.gate_up_proj.weight", 0),
-    rule(_L + r"mlp\.shared_expert\.up_proj\.weight",
-         "layers.{l}.mlp.shared_expert.gate_up_proj.weight", 1),
-    rule(_L + r"mlp\.shared_expert\.down_proj\.weight",
-         "layers.{l}.mlp.shared_expert.down_proj.weight"),
+QWEN_MOE_RULES = _moe_rules("shared_expert") + [
     rule(_L + r"mlp\.shared_expert_gate\.weight", "layers.{l}.mlp.shared_expert_gate.weight"),
 ]
 
@@ -82,18 +88,9 @@ DEEPSEEK_RULES = [r for r in COMMON_RULES if "self_attn" not in r.pattern.patter
     rule(_MLA + r"kv_a_layernorm\.weight", "layers.{l}.attn.kv_a_layernorm.weight"),
     rule(_MLA + r"kv_b_proj\.weight", "layers.{l}.attn.kv_b_proj.weight"),
     rule(_MLA + r"o_proj\.(?P<p>weight|bias)", "layers.{l}.attn.o_proj.{p}"),
-    rule(_L + r"mlp\.gate\.weight", "layers.{l}.mlp.router.gate.weight"),
     rule(_L + r"mlp\.gate\.e_score_correction_bias",
          "layers.{l}.mlp.router.e_score_correction_bias"),
-    rule(_L + r"mlp\.experts\.(?P<e>\d+)\.gate_proj\.weight", "layers.{l}.mlp.experts.w13", 0),
-    rule(_L + r"mlp\.experts\.(?P<e>\d+)\.up_proj\.weight", "layers.{l}.mlp.experts.w13", 1),
-    rule(_L + r"mlp\.experts\.(?P<e>\d+)\.down_proj\.weight", "layers.{l}.mlp.experts.w2"),
-    rule(_L + r"mlp\.shared_experts\.gate_proj\.weight",
-         "layers.{l}.mlp.shared_expert.gate_up_proj.weight", 0),
-    rule(_L + r"mlp\.shared_experts\.up_proj\.weight",
-         "layers.{l}.mlp.shared_expert.gate_up_proj.weight", 1),
-    rule(_L + r"mlp\.shared_experts\.down_proj\.weight",
-         "layers.{l}.mlp.shared_expert.down_proj.weight"),
+    *_moe_rules("shared_experts"),
 ]
 
 # Checkpoint entries that carry no weights we need (derived buffers).
