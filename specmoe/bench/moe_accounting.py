@@ -34,7 +34,9 @@ def unique_experts(ids: np.ndarray | torch.Tensor) -> int:
 
 
 def expert_bytes(block: SparseMoEBlock) -> int:
-    """Bytes of one routed expert of `block` (its gate, up and down projections)."""
+    """Bytes of one routed expert of `block` (its gate, up and down projections) as stored:
+    an expert width padded to a multiple of 16 counts its zero padding, which the kernels
+    read too."""
     e = block.experts
     return (e.w13[0].numel() * e.w13.element_size()
             + e.w2[0].numel() * e.w2.element_size())

@@ -127,7 +127,7 @@ def test_unique_experts_and_layer_bytes_on_a_hand_made_routing():
     ids = np.array([[0, 1], [1, 2], [2, 0], [5, 1]])
     assert unique_experts(ids) == 4
     assert unique_experts(torch.from_numpy(ids[:2])) == 3
-    h, width, n = 8, 4, 8
+    h, width, n = 8, 16, 8  # a width the experts store unpadded (a multiple of 16)
     block = build_layer(_arch(n, 2, width, h), torch.float32, torch.device("cpu"), seed=0)
     per_expert = 3 * h * width * 4                      # gate, up, down in float32
     assert expert_bytes(block) == per_expert
@@ -146,9 +146,9 @@ def test_layer_bytes_count_the_shared_expert_and_its_gate():
 
 def test_model_bytes_on_a_hand_made_routing():
     """A dense layer 0 and two MoE layers; routed experts counted only where touched."""
-    arch = _arch(8, 2, 4, 8, shared=6, moe_layers=(1, 2), num_layers=3)
+    arch = _arch(8, 2, 16, 8, shared=6, moe_layers=(1, 2), num_layers=3)
     model = DecoderModel(arch, 64)
-    per_expert = 3 * 8 * 4 * 4
+    per_expert = 3 * 8 * 16 * 4
     experts, other = model_bytes(model, arch, [2, 5], num_distinct_tokens=3, context_len=10,
                                  num_tokens=4, dtype_bytes=4)
     assert experts == (2 + 5) * per_expert
