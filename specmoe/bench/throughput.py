@@ -25,8 +25,7 @@ import numpy as np
 
 from specmoe.bench.throughput_floor import MatmulCounts, run_floor_seconds
 from specmoe.config import ArchConfig
-from specmoe.layers.moe.backends import set_expert_stats
-from specmoe.layers.moe.stats import ExpertLoadRecorder, NullExpertStats
+from specmoe.bench import throughput_ep
 from specmoe.loader.aliases import DEFAULT_MODEL
 from specmoe.utils.data import DATASETS, load_prompts
 
@@ -255,8 +254,7 @@ def run_once(llm, prompts: list[dict], concurrency: int, max_tokens: int,
     prefix = core.scheduler.kv_cache.block_pool.prefix_cache_stats
     queried, hit = prefix.num_query_tokens, prefix.num_hit_tokens
     steps: list[list] = []
-    comm = _comm_stats(llm)
-    load = _rank_load_recorder(llm) if comm is not None else None
+    probe = throughput_ep.CommunicationProbe.start(llm)
     core.step = _timed_step(core, steps)  # instance attribute shadows the method
     try:
         t0 = time.perf_counter()
@@ -265,8 +263,7 @@ def run_once(llm, prompts: list[dict], concurrency: int, max_tokens: int,
         wall = time.perf_counter() - t0
     finally:
         del core.step
-        if load is not None:
-            set_expert_stats(llm.target.model, NullExpertStats())
+        ep_stats = probe.finish() if probe is not None else None
     queried = prefix.num_query_tokens - queried
     hit_rate = (prefix.num_hit_tokens - hit) / queried if queried else 0.0
     num_tokens = sum(r["num_tokens"] for r in requests)
@@ -274,41 +271,9 @@ def run_once(llm, prompts: list[dict], concurrency: int, max_tokens: int,
            "wall_seconds": wall, "num_output_tokens": num_tokens,
            "tokens_per_s": num_tokens / wall, "requests": requests, "steps": steps,
            "engine_stats": core.stats.to_dict(prefix_cache_hit_rate=hit_rate)}
-    if comm is not None:
-        run["expert_parallel"] = _comm_delta(comm, _comm_stats(llm)) | {
-            "rank_load": _rank_loads(llm.target.expert_map, load.take())}
+    if ep_stats is not None:
+        run["expert_parallel"] = ep_stats
     return run
-
-
-def _rank_load_recorder(llm) -> ExpertLoadRecorder:
-    """Counts every forward's routing (under expert parallelism the MoE layers run as
-    modules anyway, so recording costs the fused driver nothing)."""
-    recorder = ExpertLoadRecorder(llm.target.expert_map.num_experts)
-    set_expert_stats(llm.target.model, recorder)
-    return recorder
-
-
-def _rank_loads(emap, counts: dict[int, list[int]]) -> list[int]:
-    """(token, slot) pairs each rank's experts served over all MoE layers."""
-    totals = [0] * emap.num_ranks
-    for per_expert in counts.values():
-        for rank, load in enumerate(emap.rank_loads(per_expert)):
-            totals[rank] += int(load)
-    return totals
-
-
-def _comm_stats(llm) -> dict | None:
-    """The target's expert-parallel communication totals (None without expert parallelism)."""
-    comm = getattr(llm.target, "comm", None)
-    return None if comm is None else comm.to_dict()
-
-
-def _comm_delta(before: dict, after: dict) -> dict:
-    """Communication over one run: totals' differences, the share recomputed."""
-    out = {k: after[k] - before[k] for k in after if k != "communication_share"}
-    comm = out["broadcast_seconds"] + out["collective_seconds"]
-    out["communication_share"] = comm / out["forward_seconds"] if out["forward_seconds"] else 0.0
-    return out
 
 
 def _run_wave(llm, prompts: list[dict], indices: list[int], max_tokens: int) -> list[dict]:
@@ -531,23 +496,10 @@ def _row(concurrency: int, mode: str, runs: list[dict]) -> dict:
         "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
         "spec_paused_step_share": statistics.fmean(
             s.get("num_spec_paused_steps", 0) / max(1, s["num_steps"]) for s in stats),
-        **_k_choices(stats), **_communication(ok),
+        **_k_choices(stats), **throughput_ep.summarize(ok),
         "floor_fraction": statistics.median(r["floor_seconds"] / r["wall_seconds"]
                                             for r in ok) if all(
             "floor_seconds" in r for r in ok) else None}
-
-
-def _communication(runs: list[dict]) -> dict:
-    """Expert-parallel runs: the median communication share, collective bytes per forward
-    and the (token, slot) pairs each rank served, summed over runs ({} otherwise)."""
-    ep = [r["expert_parallel"] for r in runs if "expert_parallel" in r]
-    if not ep:
-        return {}
-    loads = [sum(loads) for loads in zip(*(e["rank_load"] for e in ep))]
-    return {"communication_share": statistics.median(e["communication_share"] for e in ep),
-            "collective_bytes_per_forward": statistics.median(
-                e["collective_bytes"] / max(1, e["num_forwards"]) for e in ep),
-            "rank_load": loads}
 
 
 def _k_choices(stats: list[dict]) -> dict:

@@ -1,0 +1,54 @@
+"""Expert-parallel figures of `bench throughput` runs: the communication over each run and
+the (token, slot) pairs each rank's experts served, and their summary per (C, mode)."""
+
+from __future__ import annotations
+
+import statistics
+
+from specmoe.layers.moe.backends import set_expert_stats
+from specmoe.layers.moe.stats import ExpertLoadRecorder, NullExpertStats
+
+
+class CommunicationProbe:
+    """Started before a run on an expert-parallel engine (`start`), finished after it.
+    Counts every forward's routing: under expert parallelism the MoE layers run as modules
+    anyway, so recording costs the fused driver nothing."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+        self.before = llm.target.comm.to_dict()
+        self.recorder = ExpertLoadRecorder(llm.target.expert_map.num_experts)
+        set_expert_stats(llm.target.model, self.recorder)
+
+    @classmethod
+    def start(cls, llm) -> "CommunicationProbe | None":
+        """A probe on `llm`, or None when its target is not expert-parallel."""
+        return cls(llm) if hasattr(llm.target, "comm") else None
+
+    def finish(self) -> dict:
+        """The run's communication totals' differences (share recomputed) and the pairs
+        each rank served over all MoE layers; detaches the recorder."""
+        set_expert_stats(self.llm.target.model, NullExpertStats())
+        after = self.llm.target.comm.to_dict()
+        out = {k: after[k] - self.before[k] for k in after if k != "communication_share"}
+        comm = out["broadcast_seconds"] + out["collective_seconds"]
+        out["communication_share"] = comm / out["forward_seconds"] if out["forward_seconds"] \
+            else 0.0
+        emap, totals = self.llm.target.expert_map, [0] * self.llm.target.expert_map.num_ranks
+        for per_expert in self.recorder.take().values():
+            for rank, load in enumerate(emap.rank_loads(per_expert)):
+                totals[rank] += int(load)
+        return out | {"rank_load": totals}
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Expert-parallel runs of one (C, mode): the median communication share, collective
+    bytes per forward and the pairs each rank served, summed over runs ({} otherwise)."""
+    ep = [r["expert_parallel"] for r in runs if "expert_parallel" in r]
+    if not ep:
+        return {}
+    loads = [sum(loads) for loads in zip(*(e["rank_load"] for e in ep))]
+    return {"communication_share": statistics.median(e["communication_share"] for e in ep),
+            "collective_bytes_per_forward": statistics.median(
+                e["collective_bytes"] / max(1, e["num_forwards"]) for e in ep),
+            "rank_load": loads}
