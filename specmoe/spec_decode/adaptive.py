@@ -269,8 +269,9 @@ class AdaptivePolicy:
         batch, off = tuple(request_ids), self._off
         if off is not None and off[0] == batch and off[1] < self.s.recheck_every:
             self._off = (batch, off[1] + 1)
-            self.predicted_step_s = None
-            return self._keep(request_ids, np.zeros(len(batch), dtype=np.int64), caps_a)
+            zeros = np.zeros(len(batch), dtype=np.int64)
+            self.predicted_step_s = _step_seconds(zeros, self._step_fn(base_rows), self._miss())
+            return self._keep(request_ids, zeros, caps_a)
         ks = self._solve(request_ids, caps_a, base_rows)
         self._off = (batch, 1) if not ks.any() else None
         return self._keep(request_ids, ks, caps_a)
@@ -285,11 +286,7 @@ class AdaptivePolicy:
                ) -> np.ndarray:
         """The best Ks for the batch (module docstring), with the hysteresis, and the
         predicted step time."""
-        def step_s(drafts: np.ndarray, misses: np.ndarray) -> np.ndarray:
-            return self.step_time.predict(base_rows + drafts, 1.0 - np.exp(misses))
-
-        miss = (miss_log(np.arange(1, self.s.max_k + 2), self.s.num_experts, self.s.top_k,
-                         self.overlap) if self.s.is_moe else None)
+        step_s, miss = self._step_fn(base_rows), self._miss()
         gains = np.stack([self.acceptance.gains(r) for r in request_ids])
         ks, rate = choose_ks(gains, caps_a, step_s, self.draft_s, miss)
         prev = np.array([min(self._previous.get(r, k), c) for r, k, c
@@ -299,6 +296,20 @@ class AdaptivePolicy:
             ks = prev
         self.predicted_step_s = _step_seconds(ks, step_s, miss)
         return ks
+
+    def _step_fn(self, base_rows: int):
+        """(drafts, log expert misses) -> predicted forward seconds, for a batch whose
+        forward computes `base_rows` rows before drafts."""
+        def step_s(drafts: np.ndarray, misses: np.ndarray) -> np.ndarray:
+            return self.step_time.predict(base_rows + drafts, 1.0 - np.exp(misses))
+        return step_s
+
+    def _miss(self) -> np.ndarray | None:
+        """log P(an expert is missed) by a window of 1..K_max + 1 tokens (None: dense)."""
+        if not self.s.is_moe:
+            return None
+        return miss_log(np.arange(1, self.s.max_k + 2), self.s.num_experts, self.s.top_k,
+                        self.overlap)
 
     def _probe(self, ks: np.ndarray, caps: np.ndarray) -> np.ndarray:
         """Every `probe_every` steps with a request held at K = 0, all of them draft one."""
