@@ -16,7 +16,7 @@ class CommunicationProbe:
 
     def __init__(self, llm) -> None:
         self.llm = llm
-        self.before = llm.target.comm.to_dict()
+        self.before = llm.target.comm.copy()
         self.recorder = ExpertLoadRecorder(llm.target.expert_map.num_experts)
         set_expert_stats(llm.target.model, self.recorder)
 
@@ -29,11 +29,7 @@ class CommunicationProbe:
         """The run's communication totals' differences (share recomputed) and the pairs
         each rank served over all MoE layers; detaches the recorder."""
         set_expert_stats(self.llm.target.model, NullExpertStats())
-        after = self.llm.target.comm.to_dict()
-        out = {k: after[k] - self.before[k] for k in after if k != "communication_share"}
-        comm = out["broadcast_seconds"] + out["collective_seconds"]
-        out["communication_share"] = comm / out["forward_seconds"] if out["forward_seconds"] \
-            else 0.0
+        out = self.llm.target.comm.since(self.before).to_dict()
         emap, totals = self.llm.target.expert_map, [0] * self.llm.target.expert_map.num_ranks
         for per_expert in self.recorder.take().values():
             for rank, load in enumerate(emap.rank_loads(per_expert)):

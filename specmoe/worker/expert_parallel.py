@@ -21,7 +21,7 @@ import datetime
 import os
 import socket
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 import torch.distributed as dist
@@ -48,9 +48,21 @@ class CommunicationStats:
     collective_calls: int = 0
 
     @property
+    def communication_seconds(self) -> float:
+        return self.broadcast_seconds + self.collective_seconds
+
+    @property
     def share(self) -> float:
-        comm = self.broadcast_seconds + self.collective_seconds
-        return comm / self.forward_seconds if self.forward_seconds else 0.0
+        return (self.communication_seconds / self.forward_seconds if self.forward_seconds
+                else 0.0)
+
+    def copy(self) -> "CommunicationStats":
+        return replace(self)
+
+    def since(self, earlier: "CommunicationStats") -> "CommunicationStats":
+        """The forwards between `earlier` (a `copy` of these stats) and now."""
+        return CommunicationStats(**{f.name: getattr(self, f.name) - getattr(earlier, f.name)
+                                     for f in fields(self)})
 
     def to_dict(self) -> dict:
         return {**asdict(self), "communication_share": self.share}

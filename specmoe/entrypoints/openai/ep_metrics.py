@@ -48,25 +48,19 @@ class ExpertParallelMetrics:
             metric.labels(model_name)
         for rank in range(runner.expert_map.num_ranks):
             self.rank_load.labels(model_name, str(rank))
-        self._last = self._totals()  # counts start at attach
-
-    def _totals(self) -> tuple[float, float, int]:
-        c = self.runner.comm
-        return (c.forward_seconds, c.broadcast_seconds + c.collective_seconds,
-                c.collective_bytes)
+        self._last = runner.comm.copy()  # counts start at attach
 
     def on_step(self, expert_counts: dict[int, list[int]]) -> None:
         """After an engine step: the communication since the previous one, and the
         per-expert counts of the sampled step (layer -> counts; {} when not sampled)."""
         m = self.model_name
-        now = self._totals()
-        forward, comm, nbytes = (a - b for a, b in zip(now, self._last))
-        self._last = now
-        if forward > 0:
-            self.forward_seconds.labels(m).inc(forward)
-            self.comm_seconds.labels(m).inc(max(comm, 0.0))
-            self.bytes.labels(m).inc(max(nbytes, 0))
-            self.share.labels(m).set(comm / forward)
+        step = self.runner.comm.since(self._last)
+        self._last = self.runner.comm.copy()
+        if step.forward_seconds > 0:
+            self.forward_seconds.labels(m).inc(step.forward_seconds)
+            self.comm_seconds.labels(m).inc(max(step.communication_seconds, 0.0))
+            self.bytes.labels(m).inc(max(step.collective_bytes, 0))
+            self.share.labels(m).set(step.share)
         emap = self.runner.expert_map
         for counts in expert_counts.values():
             for rank, load in enumerate(emap.rank_loads(counts)):
