@@ -30,11 +30,8 @@ class CommunicationProbe:
         each rank served over all MoE layers; detaches the recorder."""
         set_expert_stats(self.llm.target.model, NullExpertStats())
         out = self.llm.target.comm.since(self.before).to_dict()
-        emap, totals = self.llm.target.expert_map, [0] * self.llm.target.expert_map.num_ranks
-        for per_expert in self.recorder.take().values():
-            for rank, load in enumerate(emap.rank_loads(per_expert)):
-                totals[rank] += int(load)
-        return out | {"rank_load": totals}
+        emap = self.llm.target.expert_map
+        return out | {"rank_load": emap.rank_loads_over_layers(self.recorder.take())}
 
 
 def summarize(runs: list[dict]) -> dict:

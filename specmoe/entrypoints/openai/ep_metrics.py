@@ -61,8 +61,7 @@ class ExpertParallelMetrics:
             self.comm_seconds.labels(m).inc(max(step.communication_seconds, 0.0))
             self.bytes.labels(m).inc(max(step.collective_bytes, 0))
             self.share.labels(m).set(step.share)
-        emap = self.runner.expert_map
-        for counts in expert_counts.values():
-            for rank, load in enumerate(emap.rank_loads(counts)):
-                if load:
-                    self.rank_load.labels(m, str(rank)).inc(load)
+        loads = self.runner.expert_map.rank_loads_over_layers(expert_counts)
+        for rank, load in enumerate(loads):
+            if load:
+                self.rank_load.labels(m, str(rank)).inc(load)

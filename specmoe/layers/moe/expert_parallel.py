@@ -84,6 +84,15 @@ class ExpertMap:
             totals[r] += load[e]
         return totals
 
+    def rank_loads_over_layers(self, counts: dict[int, list[int]]) -> list[int]:
+        """(token, slot) pairs each rank serves over all MoE layers, from per-layer,
+        per-expert counts (layer -> counts)."""
+        totals = [0] * self.num_ranks
+        for per_expert in counts.values():
+            for rank, load in enumerate(self.rank_loads(per_expert)):
+                totals[rank] += int(load)
+        return totals
+
 
 @dataclass
 class CollectiveStats:
