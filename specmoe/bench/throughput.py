@@ -214,27 +214,46 @@ def waves_for(num_prompts: int, concurrency: int, num_requests: int) -> list[lis
 
 
 def build_engines(cfg: ThroughputBenchConfig) -> dict:
-    """{"plain": LLM, "spec": LLM over the same loaded target} (no "spec" for draft none)."""
+    """{"plain": LLM}: the target, loaded once; `add_speculative_engines` adds the rest."""
     from specmoe import LLM
     sched = {"max_num_seqs": max(cfg.concurrency),
              "max_num_batched_tokens": cfg.max_num_batched_tokens,
              "num_kv_blocks": cfg.num_kv_blocks}
-    plain = LLM(cfg.model, dtype=cfg.dtype, quantization=cfg.quantization, seed=cfg.seed,
-                scheduler=sched, expert_parallel_size=cfg.expert_parallel_size)
-    engines = {"plain": plain}
+    return {"plain": LLM(cfg.model, dtype=cfg.dtype, quantization=cfg.quantization,
+                         seed=cfg.seed, scheduler=sched,
+                         expert_parallel_size=cfg.expert_parallel_size)}
+
+
+def add_speculative_engines(cfg: ThroughputBenchConfig, engines: dict,
+                            num_kv_blocks: int | None) -> None:
+    """engines["spec"] (or one engine per policy) over the plain engine's target; a draft
+    model is loaded once and shared by all of them, each with KV caches of `num_kv_blocks`
+    blocks (None: as the plain engine's)."""
     if cfg.draft == "none":
-        return engines
+        return
+    plain = engines["plain"]
     spec = {"method": "ngram"} if cfg.draft == "ngram" else {
         "method": "draft", "draft_model": cfg.draft,
         "draft_quantization": cfg.draft_quantization}
     if not cfg.policies:
         engines["spec"] = plain.with_speculative(
             spec | {"num_speculative_tokens": cfg.num_speculative_tokens,
-                    "disable_by_batch_size": cfg.spec_disable_by_batch_size})
-    for policy in cfg.policies:  # each loads its own copy of a draft model
+                    "disable_by_batch_size": cfg.spec_disable_by_batch_size}, num_kv_blocks)
+    for policy in cfg.policies:
         engines[policy] = plain.with_speculative(spec | policy_speculative(
-            policy, cfg.num_speculative_tokens, cfg.batch_size_table))
-    return engines
+            policy, cfg.num_speculative_tokens, cfg.batch_size_table), num_kv_blocks)
+
+
+def workload_kv_blocks(cfg: ThroughputBenchConfig, prompts: list[dict],
+                       block_size: int) -> int | None:
+    """KV cache blocks for max(concurrency) requests of the longest prompt plus max_tokens
+    and the drafts (16 slots of lookahead as the engine's own sizing), so the speculative
+    engines hold no more cache than the sweep uses; None when --num-kv-blocks is given."""
+    if cfg.num_kv_blocks is not None:
+        return None
+    longest = max(len(p["token_ids"]) for p in prompts)
+    per_request = -(-(longest + cfg.max_tokens + cfg.num_speculative_tokens + 16) // block_size)
+    return max(cfg.concurrency) * per_request
 
 
 def run_once(llm, prompts: list[dict], concurrency: int, max_tokens: int,
@@ -371,7 +390,6 @@ def run_throughput_bench(cfg: ThroughputBenchConfig) -> dict:
 
 def _bench(cfg: ThroughputBenchConfig, engines: dict, env: dict, t0: float) -> dict:
     from specmoe.bench.roofline import PROBE_BYTES, measure_peak_flops, measure_read_bandwidth
-    load_s = time.perf_counter() - t0
     max_model_len = engines["plain"].max_model_len
     prompts, skipped = fitting_prompts(build_prompts(cfg, engines["plain"]), cfg.max_tokens,
                                        max_model_len)
@@ -379,6 +397,9 @@ def _bench(cfg: ThroughputBenchConfig, engines: dict, env: dict, t0: float) -> d
         raise ValueError(f"all {len(skipped)} prompts are too long for max_model_len="
                          f"{max_model_len} with max_tokens={cfg.max_tokens}: lower "
                          "--max-tokens or choose shorter --datasets")
+    add_speculative_engines(cfg, engines, workload_kv_blocks(
+        cfg, prompts, engines["plain"].config.scheduler.block_size))
+    load_s = time.perf_counter() - t0  # models (and the prompts' tokenization)
     warm_up(engines, prompts)
     # the host's memory bandwidth drifts by tens of percent: C=1, bound by it, moves with
     # it while large C, bound by compute, does not, so the scaling ratios shift with it

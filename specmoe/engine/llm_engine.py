@@ -76,6 +76,7 @@ class LLM:
             speculative, seed,
             scheduler or SchedulerConfig())
         self._workers = _start_expert_parallel(expert_parallel_size, self.config.model)
+        self._loaded_drafts: dict = {}  # shared with engines from `with_speculative`
         loaded, self.target = _load_target(self.config.model, self._workers)
         self.tokenizer = _try_tokenizer(loaded)
         eos = set(loaded.arch.eos_token_ids)
@@ -88,13 +89,20 @@ class LLM:
         self._rng = random.Random(seed)
         self._ids = itertools.count()
 
-    def with_speculative(self, speculative: SpeculativeConfig | dict | None) -> "LLM":
-        """A second engine over the same loaded target and tokenizer with another proposer
-        (loads a draft model if asked): compare proposers without loading the target twice.
+    def with_speculative(self, speculative: SpeculativeConfig | dict | None,
+                         num_kv_blocks: int | None = None) -> "LLM":
+        """A second engine over the same loaded target and tokenizer with another proposer,
+        to compare proposers without loading the target twice. A draft model is loaded
+        once per (draft_model, draft_quantization) and shared by every engine derived from
+        this one: run them one at a time, not concurrently (each has its own KV caches,
+        of `num_kv_blocks` blocks if given, else sized as this engine's configuration says).
         """
         if isinstance(speculative, dict):
             speculative = SpeculativeConfig(**speculative)
         other = copy.copy(self)
+        if num_kv_blocks is not None:
+            other.config = dataclasses.replace(self.config, scheduler=dataclasses.replace(
+                self.config.scheduler, num_kv_blocks=num_kv_blocks))
         other._attach_proposer(speculative)
         return other
 
@@ -111,7 +119,7 @@ class LLM:
         num_blocks = _num_kv_blocks(sched, self.target)
         self.proposer = None if speculative is None else build_proposer(
             speculative, self.target, self.tokenizer, self.config.model, num_blocks,
-            sched.block_size)
+            sched.block_size, self._loaded_drafts)
         k = speculative.num_speculative_tokens if speculative else 0
         table = speculative.batch_size_table if speculative else None
         self.engine = EngineCore(self.target, self.proposer, self.processor, sched,

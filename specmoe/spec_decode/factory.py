@@ -10,22 +10,33 @@ from specmoe.worker.model_runner import ModelRunner
 
 
 def build_proposer(spec: SpeculativeConfig, target: ModelRunner, target_tokenizer,
-                   target_model_config: ModelConfig, num_kv_blocks: int, block_size: int):
+                   target_model_config: ModelConfig, num_kv_blocks: int, block_size: int,
+                   loaded_drafts: dict | None = None):
     """An NgramProposer or a DraftModelProposer (draft loaded with the target's dtype and
     device, with a KV cache of `num_kv_blocks` blocks of `block_size` positions; it stops
     drafting at its own context limit).
+
+    `loaded_drafts` ({(draft_model, draft_quantization): ModelRunner}), when given, is
+    consulted before loading and filled after: proposers of engines that never run at the
+    same time share one copy of the draft's weights (each keeps its own KV cache).
 
     Raises:
         ValueError: when the draft model's vocabulary differs from the target's.
     """
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-    draft = load_model(ModelConfig(spec.draft_model, dtype=target_model_config.dtype,
-                                   device=str(target.device),
-                                   quantization=spec.draft_quantization,
-                                   moe_backend=target_model_config.moe_backend))
-    check_vocab_match(target, target_tokenizer, draft)
-    return DraftModelProposer(ModelRunner(draft), num_kv_blocks, block_size)
+    key = (spec.draft_model, spec.draft_quantization)
+    runner = (loaded_drafts or {}).get(key)
+    if runner is None:
+        draft = load_model(ModelConfig(spec.draft_model, dtype=target_model_config.dtype,
+                                       device=str(target.device),
+                                       quantization=spec.draft_quantization,
+                                       moe_backend=target_model_config.moe_backend))
+        check_vocab_match(target, target_tokenizer, draft)
+        runner = ModelRunner(draft)
+        if loaded_drafts is not None:
+            loaded_drafts[key] = runner
+    return DraftModelProposer(runner, num_kv_blocks, block_size)
 
 
 def check_vocab_match(target: ModelRunner, target_tokenizer, draft) -> None:

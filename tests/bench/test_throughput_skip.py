@@ -57,3 +57,12 @@ def test_no_prompt_that_fits_is_an_error(tmp_path, capsys):
     assert main([*SMALL_RUN, "--max-tokens", "600", "--out", str(tmp_path)]) == 2
     assert "all 4 prompts are too long for max_model_len=512 with max_tokens=600" \
         in capsys.readouterr().err
+
+
+def test_speculative_engines_hold_the_cache_the_sweep_needs():
+    cfg = throughput.ThroughputBenchConfig(model="tiny-moe", concurrency=[1, 4],
+                                           max_tokens=8, num_speculative_tokens=3)
+    # 4 requests x ceil((60 + 8 + 3 + 16) / 16) blocks
+    assert throughput.workload_kv_blocks(cfg, [_prompt(20), _prompt(60)], 16) == 4 * 6
+    fixed = throughput.ThroughputBenchConfig(model="tiny-moe", num_kv_blocks=99)
+    assert throughput.workload_kv_blocks(fixed, [_prompt(20)], 16) is None

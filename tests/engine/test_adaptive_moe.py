@@ -31,3 +31,21 @@ def test_adaptive_policy_measures_routing_overlap_on_a_moe_target():
     n = plain.target.arch.moe.num_experts
     assert core.policy.unique_fraction([1]) == pytest.approx(
         plain.target.arch.moe.top_k / n)
+
+
+def test_engines_from_one_llm_share_one_draft_copy_and_keep_their_own_caches():
+    plain = LLM("tiny-moe", dtype="float32")
+    draft = {"method": "draft", "draft_model": "tiny-moe-draft", "num_speculative_tokens": 3}
+    static = plain.with_speculative(draft, num_kv_blocks=40)
+    adaptive = plain.with_speculative(draft | {"policy": "adaptive"}, num_kv_blocks=40)
+    other = plain.with_speculative(draft | {"draft_quantization": "int8"})
+    assert static.proposer.runner is adaptive.proposer.runner
+    assert other.proposer.runner is not static.proposer.runner
+    assert static.proposer.cache is not adaptive.proposer.cache
+    assert static.engine.kv_cache is not adaptive.engine.kv_cache
+    assert static.engine.scheduler.kv_cache.num_blocks == 40
+    prompts = [[5 + i, 17, 42, 99, 7 + i] for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    for llm in (static, adaptive, static):
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected
