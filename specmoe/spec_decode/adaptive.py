@@ -24,14 +24,19 @@ second.
   prefix of each request's); the best n maximises tokens / seconds. Each D = 0..K_max is
   tried, and the best kept.
 - Hysteresis: the previous step's Ks stay unless the new choice is predicted `hysteresis`
-  faster. Re-probing: every `probe_every` steps in which some request is held at K = 0, all
+  faster. Re-probing: after `probe_every` steps in which some request is held at K = 0, all
   such requests draft one token on the same step, so their acceptance estimates stay
   current and speculation returns where it would pay; probing them together runs the draft
   model once for the batch (a draft model must first catch up on the request's tokens, so
-  staggered probes would run it on nearly every step).
+  staggered probes would run it on nearly every step). A probe costs a draft catch-up, a
+  few target steps' worth on a small target, so each probe after which the batch stays off
+  doubles the interval, up to `probe_every_max` steps; a solve that turns speculation on
+  resets it (exponential backoff, as for retries).
 - Speculation off: once the choice is K = 0 for every request, the same batch keeps K = 0
-  (probes aside) without re-solving for `recheck_every` steps: on a small model the choice
-  costs as much as a step.
+  (probes aside) without re-solving until a probe's results are in, the batch changes or
+  `recheck_every` steps have passed (nothing else informs the choice while no request
+  drafts, and on a small model a solve costs a step's tenth). The step-time model is
+  refitted only when a solve needs it.
 """
 
 from __future__ import annotations
@@ -54,7 +59,8 @@ class AdaptiveSettings:
     prior_strength: float = 4.0
     hysteresis: float = 0.03
     probe_every: int = 16
-    recheck_every: int = 8
+    probe_every_max: int = 256
+    recheck_every: int = 32
     window: int = 256
     min_fit_steps: int = 8
     num_experts: int = 0  # a MoE target's routed experts N and top-k (0: dense)
@@ -126,13 +132,19 @@ class StepTimeModel:
         self.moe = moe
         self.coef: np.ndarray | None = None
         self._observed = 0
+        self._fitted_at = 0  # steps observed at the last fit
 
     def observe(self, rows: int, seconds: float, unique_frac: float = 0.0) -> None:
-        """Record a step; refit every 4th one (counted over all steps: once the window is
-        full its length no longer changes)."""
+        """Record a step (the first fit as soon as `min_steps` are in; later ones when a
+        prediction asks)."""
         self._steps.append((rows, seconds, unique_frac))
         self._observed += 1
-        if len(self._steps) >= self.min_steps and self._observed % 4 == 0:
+        if self.coef is None and len(self._steps) >= self.min_steps:
+            self._fit()
+
+    def refresh(self) -> None:
+        """Refit if 4 or more steps came in since the last fit."""
+        if self.coef is not None and self._observed - self._fitted_at >= 4:
             self._fit()
 
     def _fit(self) -> None:
@@ -141,10 +153,24 @@ class StepTimeModel:
         feats = _row_features(rows, frac if self.moe else None)
         # relative error: a long prefill step must not outweigh a hundred decode steps
         self.coef, _ = nnls(feats / secs[:, None], np.ones_like(secs))
+        self._fitted_at = self._observed
 
-    def predict(self, rows, unique_frac=0.0):
+    def predict_one(self, rows: int, unique_frac: float = 0.0) -> float | None:
+        """`predict` for one step from the last fit, in plain floats (no refit)."""
+        c = self.coef
+        if c is None:
+            return None
+        seconds = c[0] + c[1] * rows + sum(
+            cj * max(0.0, rows - knot) for cj, knot in zip(c[2:], KNOTS))
+        return float(seconds + (c[-1] * unique_frac if self.moe else 0.0))
+
+    def predict(self, rows, unique_frac=0.0, refit: bool = True):
         """Seconds at `rows` (a number or an array) and, on a MoE target, the windows'
-        share of experts (same shape); None before the first fit."""
+        share of experts (same shape); None before the first fit. `refit=False` skips
+        refitting on the steps observed since the last fit (a cheap, slightly stale
+        prediction)."""
+        if refit:
+            self.refresh()
         if self.coef is None:
             return None
         return _row_features(rows, unique_frac if self.moe else None) @ self.coef
@@ -223,6 +249,9 @@ class AdaptivePolicy:
         self._draft_obs = 0
         self._previous: dict[str, int] = {}
         self._since_probe = 0  # steps with a request held at K = 0 since the last probe
+        self.probe_interval = settings.probe_every  # grows while probes find nothing
+        self._probed = False  # the previous step probed
+        self._miss_cache: tuple[float, np.ndarray | None] | None = None
         self._off: tuple[tuple[str, ...], int] | None = None  # (batch, steps) all at K = 0
         self.predicted_step_s: float | None = None
 
@@ -267,14 +296,24 @@ class AdaptivePolicy:
         if self.step_time.coef is None:  # not calibrated yet: the requests' own K
             return dict(zip(request_ids, caps_a.tolist()))
         batch, off = tuple(request_ids), self._off
-        if off is not None and off[0] == batch and off[1] < self.s.recheck_every:
+        if (off is not None and off[0] == batch and off[1] < self.s.recheck_every
+                and not self._probed):
             self._off = (batch, off[1] + 1)
-            zeros = np.zeros(len(batch), dtype=np.int64)
-            self.predicted_step_s = _step_seconds(zeros, self._step_fn(base_rows), self._miss())
-            return self._keep(request_ids, zeros, caps_a)
+            self.predicted_step_s = self._predict_off(base_rows, len(batch))
+            return self._keep(request_ids, np.zeros(len(batch), dtype=np.int64), caps_a)
         ks = self._solve(request_ids, caps_a, base_rows)
         self._off = (batch, 1) if not ks.any() else None
+        self._back_off(bool(ks.any()))
         return self._keep(request_ids, ks, caps_a)
+
+    def _back_off(self, speculating: bool) -> None:
+        """Double the probe interval when the solve after a probe keeps every request at
+        K = 0; back to `probe_every` once speculation pays."""
+        if speculating:
+            self.probe_interval = self.s.probe_every
+        elif self._probed:
+            self.probe_interval = min(2 * self.probe_interval, self.s.probe_every_max)
+        self._probed = False
 
     def _keep(self, request_ids: list[str], ks: np.ndarray, caps: np.ndarray
               ) -> dict[str, int]:
@@ -297,30 +336,41 @@ class AdaptivePolicy:
         self.predicted_step_s = _step_seconds(ks, step_s, miss)
         return ks
 
-    def _step_fn(self, base_rows: int):
+    def _predict_off(self, rows: int, batch_size: int) -> float:
+        """The forward's seconds with no drafts, from the last fit (cheap: every step)."""
+        miss = self._miss()
+        frac = 0.0 if miss is None else 1.0 - float(np.exp(batch_size * miss[0]))
+        return self.step_time.predict_one(rows, frac)
+
+    def _step_fn(self, base_rows: int, refit: bool = True):
         """(drafts, log expert misses) -> predicted forward seconds, for a batch whose
         forward computes `base_rows` rows before drafts."""
         def step_s(drafts: np.ndarray, misses: np.ndarray) -> np.ndarray:
-            return self.step_time.predict(base_rows + drafts, 1.0 - np.exp(misses))
+            return self.step_time.predict(base_rows + drafts, 1.0 - np.exp(misses), refit)
         return step_s
 
     def _miss(self) -> np.ndarray | None:
         """log P(an expert is missed) by a window of 1..K_max + 1 tokens (None: dense)."""
         if not self.s.is_moe:
             return None
-        return miss_log(np.arange(1, self.s.max_k + 2), self.s.num_experts, self.s.top_k,
-                        self.overlap)
+        if self._miss_cache is None or self._miss_cache[0] != self.overlap:
+            self._miss_cache = (self.overlap, miss_log(
+                np.arange(1, self.s.max_k + 2), self.s.num_experts, self.s.top_k,
+                self.overlap))
+        return self._miss_cache[1]
 
     def _probe(self, ks: np.ndarray, caps: np.ndarray) -> np.ndarray:
-        """Every `probe_every` steps with a request held at K = 0, all of them draft one."""
+        """Every `probe_interval` steps with a request held at K = 0, all of them draft
+        one."""
         idle = (ks == 0) & (caps > 0)
         if not idle.any():
             self._since_probe = 0
             return ks
         self._since_probe += 1
-        if self._since_probe < self.s.probe_every:
+        if self._since_probe < self.probe_interval:
             return ks
         self._since_probe = 0
+        self._probed = True
         self.predicted_step_s = None  # the prediction was for the Ks without the probes
         return np.where(idle, 1, ks)
 

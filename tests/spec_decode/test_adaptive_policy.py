@@ -72,6 +72,7 @@ def test_step_time_model_is_flat_where_memory_bound_and_steep_where_compute_boun
         m.observe(rows, truth(rows))
     for rows in (1, 4, 200, 512):
         assert m.predict(rows) == pytest.approx(truth(rows), rel=0.15)
+        assert m.predict_one(rows) == pytest.approx(float(m.predict(rows)))
     # a few draft rows on one request cost next to nothing, as measured
     assert m.predict(5) - m.predict(1) < 0.1 * m.predict(1)
 
@@ -96,16 +97,31 @@ def test_policy_uses_own_k_until_calibrated_then_chooses_and_holds():
 
 
 def test_requests_held_at_zero_are_reprobed():
-    p = AdaptivePolicy(AdaptiveSettings(max_k=4, probe_every=3))
+    p = AdaptivePolicy(AdaptiveSettings(max_k=4, probe_every=3, probe_every_max=3))
     _calibrated(p, 0.0, 0.001)  # compute-bound: speculation never pays
     chosen = [p.choose(["a"], [4], 1)["a"] for _ in range(9)]
     assert chosen == [0, 0, 1, 0, 0, 1, 0, 0, 1]
 
 
+def test_probes_back_off_while_they_find_nothing_and_reset_once_speculation_pays():
+    p = AdaptivePolicy(AdaptiveSettings(max_k=4, probe_every=2, probe_every_max=8,
+                                        recheck_every=1))
+    _calibrated(p, 0.0, 0.001)  # compute-bound
+    chosen = [p.choose(["a"], [4], 1)["a"] for _ in range(24)]
+    probes = [i + 1 for i, k in enumerate(chosen) if k]
+    assert probes == [2, 6, 14, 22]  # intervals 2, 4, 8, then capped at 8
+    assert p.probe_interval == 8
+    _calibrated(p, 0.010, 0.0)  # memory-bound now, and the draft is always right
+    for _ in range(20):
+        p.observe_verified("a", 4, 4)
+    assert p.choose(["a"], [4], 1)["a"] == 4
+    assert p.probe_interval == 2
+
+
 def test_requests_held_at_zero_probe_on_the_same_step(monkeypatch):
     """Requests that joined at different steps probe together (one draft run for the
-    batch), and while every request stays at K = 0 the choice is re-solved only every
-    `recheck_every` steps or when the batch changes."""
+    batch), and while every request stays at K = 0 the choice is re-solved only after a
+    probe, when the batch changes or every `recheck_every` steps."""
     import specmoe.spec_decode.adaptive as adaptive
     p = AdaptivePolicy(AdaptiveSettings(max_k=4, probe_every=4, recheck_every=5))
     _calibrated(p, 0.0, 0.001)
@@ -117,10 +133,10 @@ def test_requests_held_at_zero_probe_on_the_same_step(monkeypatch):
              p.choose(["a", "b"], [4, 4], 2), p.choose(["a", "b", "c"], [4, 4, 0], 3)]
     assert [sum(s.values()) for s in steps] == [0, 0, 0, 2, 0, 0]  # a and b at step 4
     assert steps[3] == {"a": 1, "b": 1}
-    assert len(solves) == 3  # step 1, the batch growing at steps 3 and 6
+    assert len(solves) == 4  # step 1, the batch growing at steps 3 and 6, after the probe
     for _ in range(5):
         p.choose(["a", "b", "c"], [4, 4, 0], 3)
-    assert len(solves) == 4  # re-solved once recheck_every steps have passed
+    assert len(solves) == 5  # re-solved once recheck_every steps have passed
 
 
 # ---- MoE targets: the step time follows the experts the windows touch ----
@@ -180,6 +196,7 @@ def test_moe_step_time_model_learns_the_expert_term():
         rows, frac = int(rng.integers(1, 40)), float(rng.uniform(0.1, 1.0))
         m.observe(rows, 0.002 + 0.0001 * rows + 0.010 * frac, frac)
     assert m.predict(10, 0.5) == pytest.approx(0.002 + 0.001 + 0.005, rel=1e-3)
+    assert m.predict_one(10, 0.5) == pytest.approx(0.002 + 0.001 + 0.005, rel=1e-3)
     assert m.coef[-1] == pytest.approx(0.010, rel=1e-3)
 
 
