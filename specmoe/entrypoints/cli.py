@@ -1,5 +1,5 @@
 """The `specmoe` command line: `generate`, `demo`, `serve`, `bench`, `models` (install, list)
-`routing` (analyze), `study` and `advise`."""
+`routing` (analyze), `study`, `advise` and `expert-placement`."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from specmoe.entrypoints.routing_cli import (add_routing_parser, check_trace_pat
 from specmoe.entrypoints.advise_cli import add_advise_parser
 from specmoe.entrypoints.study_cli import add_study_parser
 from specmoe.entrypoints.models_cli import add_models_parser, cmd_models
+from specmoe.entrypoints.placement_cli import add_placement_parser, cmd_expert_placement
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_routing_parser(sub)
     add_study_parser(sub)
     add_advise_parser(sub)
+    add_placement_parser(sub)
     return parser
 
 
@@ -512,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_models(args)
         elif args.command == "routing":
             return cmd_routing(args)
+        elif args.command == "expert-placement":
+            return cmd_expert_placement(args)
         elif args.command == "study":
             from specmoe.entrypoints.study_cli import cmd_study
             return cmd_study(args)
