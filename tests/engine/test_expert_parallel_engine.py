@@ -124,12 +124,17 @@ def test_a_killed_worker_is_an_error_on_rank_0_not_a_hang():
         ep.shutdown()
 
 
-def test_dense_models_and_bad_sizes_are_refused():
+def test_dense_models_bad_sizes_and_placements_are_refused(tmp_path):
+    """Also a placement file for another expert count: known only once the model is read,
+    so every rank refuses it at load and rank 0 stops the others."""
     import multiprocessing
     with pytest.raises(ValueError, match="expert_parallel_size=0"):
         LLM("tiny-moe", expert_parallel_size=0)
     with pytest.raises(ValueError, match="needs a MoE model"):
         LLM("tiny-moe-draft", dtype="float32", expert_parallel_size=2)
+    with pytest.raises(ValueError, match="places 4 experts; the model has 32"):
+        LLM("tiny-moe", dtype="float32", expert_parallel_size=2,
+            expert_placement=str(_interleaved(tmp_path, 4)))
     assert not multiprocessing.active_children()
 
 
