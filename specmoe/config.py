@@ -14,6 +14,8 @@ SPECULATIVE_POLICIES = ("static", "batch_size_table", "adaptive")
 QUANTIZATION_METHODS = ("int8", "int4")
 # How routed experts run (`specmoe.layers.moe.backends`): "auto" picks per device and kernels.
 MOE_BACKEND_CHOICES = ("auto", "fused", "grouped", "grouped_mm", "reference")
+# How expert-parallel ranks exchange tokens (`specmoe.layers.moe.expert_parallel`).
+EXPERT_PARALLEL_DISPATCH = ("replicated", "all_to_all")
 # Router options (`specmoe.layers.moe.router`), DeepSeek-V2/V3's names.
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -401,6 +403,39 @@ def _check_quantization(name: str, value: str | None) -> None:
                          f"{QUANTIZATION_METHODS}")
 
 
+@dataclass(frozen=True)
+class ExpertParallelConfig:
+    """Expert parallelism of a MoE target (`specmoe.worker.expert_parallel`).
+
+    Attributes:
+        size: processes the routed experts are sharded over (1: none).
+        dispatch: "replicated" (every rank computes its experts' share of the whole batch,
+            one all_reduce per MoE layer) or "all_to_all" (each rank dispatches its slice of
+            the batch's tokens to the ranks holding their experts, three all_to_all and one
+            all_gather per MoE layer); the same output either way.
+        placement: "contiguous" (rank r holds experts [r N / R, (r + 1) N / R)) or the path
+            of a placement file (`specmoe expert-placement`, `layers.moe.placement`), read
+            by every rank: under torchrun it must exist on every machine.
+
+    Raises:
+        ValueError: a size that is not an int >= 1, an unknown dispatch, an empty placement.
+    """
+
+    size: int = 1
+    dispatch: str = "replicated"
+    placement: str = "contiguous"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"invalid expert_parallel_size={self.size!r}: must be an int >= 1")
+        if self.dispatch not in EXPERT_PARALLEL_DISPATCH:
+            raise ValueError(f"invalid expert_parallel_dispatch={self.dispatch!r}: must be one "
+                             f"of {EXPERT_PARALLEL_DISPATCH}")
+        if not isinstance(self.placement, str) or not self.placement.strip():
+            raise ValueError(f"invalid expert_placement={self.placement!r}: 'contiguous' or "
+                             "the path of a placement file")
+
+
 @dataclass
 class EngineConfig:
     """The aggregate configuration of one engine."""
@@ -409,3 +444,4 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     seed: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specmoe.bench.throughput_floor import MatmulCounts, run_floor_seconds
-from specmoe.config import ArchConfig
+from specmoe.config import ArchConfig, ExpertParallelConfig
 from specmoe.bench import throughput_ep
 from specmoe.loader.aliases import DEFAULT_MODEL
 from specmoe.utils.data import DATASETS, load_prompts
@@ -53,6 +53,8 @@ class ThroughputBenchConfig:
         batch_size_table: the "table" policy's ranges, vLLM style ({"1-4": 4, ...}).
         spec_bench_categories: the Spec-Bench tasks prompts are drawn from.
         expert_parallel_size: processes a MoE target's experts are sharded over (1: none).
+        expert_parallel_dispatch, expert_placement: the expert-parallel dispatch mode and
+            placement (`LLM`'s arguments of the same names).
         concurrency: numbers of requests submitted at once, ascending; the first is the
             baseline of the scaling ratios (1 for the target line).
         max_tokens: tokens generated per request (EOS ignored).
@@ -93,6 +95,8 @@ class ThroughputBenchConfig:
     spec_bench_categories: list[str] = field(default_factory=lambda: list(
         SPEC_BENCH_CATEGORIES))
     expert_parallel_size: int = 1
+    expert_parallel_dispatch: str = "replicated"
+    expert_placement: str = "contiguous"
 
     def __post_init__(self) -> None:
         if not self.concurrency or any(not isinstance(c, int) or c < 1
@@ -110,6 +114,8 @@ class ThroughputBenchConfig:
             policy_speculative(policy, self.num_speculative_tokens, self.batch_size_table)
         if self.policies and self.draft == "none":
             raise ValueError("speculation policies need a draft: --draft is 'none'")
+        ExpertParallelConfig(self.expert_parallel_size, self.expert_parallel_dispatch,
+                             self.expert_placement)  # raises on a bad value, before loading
 
     @property
     def modes(self) -> list[str]:
@@ -221,7 +227,9 @@ def build_engines(cfg: ThroughputBenchConfig) -> dict:
              "num_kv_blocks": cfg.num_kv_blocks}
     return {"plain": LLM(cfg.model, dtype=cfg.dtype, quantization=cfg.quantization,
                          seed=cfg.seed, scheduler=sched,
-                         expert_parallel_size=cfg.expert_parallel_size)}
+                         expert_parallel_size=cfg.expert_parallel_size,
+                         expert_parallel_dispatch=cfg.expert_parallel_dispatch,
+                         expert_placement=cfg.expert_placement)}
 
 
 def add_speculative_engines(cfg: ThroughputBenchConfig, engines: dict,

@@ -67,7 +67,7 @@ def markdown(results: dict) -> str:
              "counted) over its wall time, median of the repetitions: high where the "
              "multiplies bound a run, low where memory reads or overheads do.",
              "",
-             *expert_parallel_section(results["rows"]),
+             *expert_parallel_section(results["rows"], results.get("config", {})),
              "## Slowest steps", "", *slowest_table(results["slowest_steps"])]
     errors = [r for r in results["runs"] if "error" in r]
     if errors:
@@ -222,12 +222,24 @@ def engine_table(rows: list[dict]) -> list[str]:
     return out
 
 
-def expert_parallel_section(rows: list[dict]) -> list[str]:
-    """Communication under expert parallelism ([] without it)."""
+# What the MoE layers' collectives are, by expert-parallel dispatch.
+COMBINES = {"replicated": "the MoE layers' all-reduce of partial expert outputs",
+            "all_to_all": "the MoE layers' all-to-all of each rank's token slice out and "
+                          "back and the all-gather of the slices' outputs"}
+
+
+def expert_parallel_section(rows: list[dict], config: dict | None = None) -> list[str]:
+    """Communication under expert parallelism ([] without it), with the run's dispatch and
+    placement (the bench config's expert_parallel_dispatch and expert_placement)."""
     rows = [r for r in rows if "communication_share" in r]
     if not rows:
         return []
+    config = config or {}
+    dispatch = config.get("expert_parallel_dispatch", "replicated")
+    combine = COMBINES.get(dispatch, dispatch)
     out = ["## Expert parallelism", "",
+           f"Dispatch `{dispatch}`, placement `{config.get('expert_placement', 'contiguous')}`.",
+           "",
            "| C | mode | communication share of forward time | collective KiB per forward | "
            "(token, slot) pairs per rank |", "|---|---|---|---|---|"]
     for r in rows:
@@ -236,8 +248,8 @@ def expert_parallel_section(rows: list[dict]) -> list[str]:
                    f"{r['collective_bytes_per_forward'] / 1024:.0f} | "
                    f"{' / '.join(str(n) for n in r['rank_load'])} |")
     return out + ["", "Communication: rank 0 broadcasting each batch to the other ranks "
-                  "and the MoE layers' all-reduce of partial expert outputs, over rank 0's "
-                  "forward wall time (waits for the slowest rank included).", ""]
+                  f"and {combine}, over rank 0's forward wall time (waits for the slowest "
+                  "rank included).", ""]
 
 
 def _percent(fraction: float | None) -> str:

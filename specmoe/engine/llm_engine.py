@@ -11,11 +11,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from specmoe.config import (EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig,
-                            parse_batch_size_table)
+from specmoe.config import (EngineConfig, ExpertParallelConfig, ModelConfig, SchedulerConfig,
+                            SpeculativeConfig, parse_batch_size_table)
 from specmoe.engine.core import EngineCore
 from specmoe.engine.output_processor import OutputProcessor
 from specmoe.engine.validation import RequestValidator
+from specmoe.layers.moe.placement import CONTIGUOUS, read_placement
 from specmoe.layers.quantization import speculation_caveat
 from specmoe.loader.model_loader import load_model, resolve_dtype
 from specmoe.outputs import RequestOutput
@@ -54,10 +55,16 @@ class LLM:
             experts): started here on this machine, or, in a process torchrun started, the
             N ranks torchrun started on one or more machines (ranks > 0 serve as workers
             and exit from this call when rank 0 stops); call `shutdown()` to stop them.
+        expert_parallel_dispatch: how the ranks exchange tokens under expert parallelism:
+            "replicated" (one all_reduce per MoE layer) or "all_to_all" (each rank
+            dispatches its slice of the batch's tokens; `ExpertParallelConfig`).
+        expert_placement: "contiguous" or the path of a placement file written by
+            `specmoe expert-placement` (experts placed from measured load).
 
     Raises:
         FileNotFoundError, ValueError: bad path, unsupported model, bad option, a draft
-            model whose vocabulary differs from the target's.
+            model whose vocabulary differs from the target's, a bad placement file
+            (`layers.moe.placement.read_placement`).
     """
 
     def __init__(self, model: str, speculative: SpeculativeConfig | dict | None = None,
@@ -65,19 +72,23 @@ class LLM:
                  max_model_len: int | None = None, seed: int = 0,
                  quantization: str | None = None,
                  scheduler: SchedulerConfig | dict | None = None,
-                 moe_backend: str = "auto", expert_parallel_size: int = 1) -> None:
+                 moe_backend: str = "auto", expert_parallel_size: int = 1,
+                 expert_parallel_dispatch: str = "replicated",
+                 expert_placement: str = "contiguous") -> None:
         if isinstance(speculative, dict):
             speculative = SpeculativeConfig(**speculative)
         if isinstance(scheduler, dict):
             scheduler = SchedulerConfig(**scheduler)
+        ep = ExpertParallelConfig(expert_parallel_size, expert_parallel_dispatch,
+                                  expert_placement)
         dtype = resolve_dtype(dtype, device)
         self.config = EngineConfig(
             ModelConfig(model, dtype, device, max_model_len, quantization, moe_backend),
             speculative, seed,
-            scheduler or SchedulerConfig())
-        self._workers = _start_expert_parallel(expert_parallel_size, self.config.model)
+            scheduler or SchedulerConfig(), ep)
+        self._workers = _start_expert_parallel(ep, self.config.model)
         self._loaded_drafts: dict = {}  # shared with engines from `with_speculative`
-        loaded, self.target = _load_target(self.config.model, self._workers)
+        loaded, self.target = _load_target(self.config.model, ep, self._workers)
         self.tokenizer = _try_tokenizer(loaded)
         eos = set(loaded.arch.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -132,7 +143,7 @@ class LLM:
         """Stop the expert-parallel worker processes (no-op in one process); a worker that
         died or cannot be told to stop is killed."""
         if self._workers:
-            from specmoe.worker.expert_parallel import abort
+            from specmoe.worker.ep_launch import abort
             try:
                 self.target.shutdown()
             except Exception:  # noqa: BLE001 - a dead rank: stop the others regardless
@@ -246,38 +257,29 @@ class LLM:
         return torch.Generator(self.target.device).manual_seed(seed)
 
 
-def _load_target(model_config, workers: list):
-    """The loaded target and its runner; with expert-parallel workers, this rank's experts
-    only, behind an `ExpertParallelRunner` (the workers are stopped if loading fails)."""
+def _load_target(model_config, ep: ExpertParallelConfig, workers: list):
+    """The loaded target and its runner (with expert-parallel workers: rank 0's share,
+    `worker.ep_launch.load_rank_zero`)."""
     if not workers:
         loaded = load_model(model_config)
         return loaded, ModelRunner(loaded)
-    from specmoe.worker import expert_parallel as ep
-    try:
-        loaded = load_model(model_config, on_weights=ep.keep_rank_experts)
-        runner = ModelRunner(loaded)
-        emap = ep.shard_experts(runner)
-    except Exception:
-        ep.abort(workers)
-        raise
-    return loaded, ep.ExpertParallelRunner(runner, emap)
+    from specmoe.worker.ep_launch import load_rank_zero
+    return load_rank_zero(model_config, ep, workers)
 
 
-def _start_expert_parallel(size: int, model_config) -> list:
-    """Worker processes of ranks 1..size-1 (this process joins as rank 0); [] for size 1.
+def _start_expert_parallel(ep: ExpertParallelConfig, model_config) -> list:
+    """Worker processes of ranks 1..size-1 (`worker.ep_launch.start_group`); [] for size 1.
+    A placement file is read first, so a bad one fails before any process starts.
 
     Raises:
-        ValueError: size not an int >= 1.
+        ValueError, FileNotFoundError: a bad placement file (`read_placement`).
     """
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"invalid expert_parallel_size={size!r}: must be an int >= 1")
-    if size == 1:
+    if ep.placement != CONTIGUOUS:
+        read_placement(ep.placement, ep.size)
+    if ep.size == 1:
         return []
-    from specmoe.worker import expert_parallel as ep
-    torch.set_num_threads(1)
-    if ep.launched_by_torchrun():
-        return ep.join_torchrun_group(size, model_config)
-    return ep.launch_workers(size, model_config)
+    from specmoe.worker.ep_launch import start_group
+    return start_group(model_config, ep)
 
 
 def _adaptive_policy(speculative: SpeculativeConfig | None, target: ModelRunner

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from specmoe.config import MOE_BACKEND_CHOICES, SPECULATIVE_POLICIES
+from specmoe.config import EXPERT_PARALLEL_DISPATCH, MOE_BACKEND_CHOICES, SPECULATIVE_POLICIES
 from specmoe.loader.aliases import DEFAULT_MODEL
 
 
@@ -49,6 +49,27 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-parallel-size", type=int, default=1,
                    help="shard a MoE model's experts over this many processes on this "
                         "machine, one torch thread each (default: 1; docs/serving.md)")
+    add_expert_parallel_mode_args(p)
+
+
+def add_expert_parallel_mode_args(p: argparse.ArgumentParser) -> None:
+    """--expert-parallel-dispatch and --expert-placement (with --expert-parallel-size > 1)."""
+    p.add_argument("--expert-parallel-dispatch", default="replicated",
+                   choices=list(EXPERT_PARALLEL_DISPATCH),
+                   help="how expert-parallel ranks exchange tokens: replicated (one "
+                        "all_reduce per MoE layer) or all_to_all (each rank dispatches its "
+                        "slice of the tokens; default: %(default)s)")
+    p.add_argument("--expert-placement", default="contiguous", metavar="contiguous|PATH",
+                   help="which rank holds each expert: contiguous blocks (the default) or "
+                        "a placement file from `specmoe expert-placement` (balanced from "
+                        "measured load)")
+
+
+def expert_parallel_kwargs(args) -> dict:
+    """The LLM keyword arguments of the expert-parallel options."""
+    return {"expert_parallel_size": args.expert_parallel_size,
+            "expert_parallel_dispatch": args.expert_parallel_dispatch,
+            "expert_placement": args.expert_placement}
 
 
 def apply_threads(args) -> None:
@@ -127,4 +148,4 @@ def llm_from_args(args, speculative: dict | None):
     apply_threads(args)
     return LLM(args.model, speculative=speculative, dtype=args.dtype, device=args.device,
                max_model_len=args.max_model_len, quantization=args.quantization,
-               moe_backend=args.moe_backend, expert_parallel_size=args.expert_parallel_size)
+               moe_backend=args.moe_backend, **expert_parallel_kwargs(args))

@@ -1,18 +1,21 @@
 """The `specmoe` command line: `generate`, `demo`, `serve`, `bench`, `models` (install, list)
-`routing` (analyze), `study` and `advise`."""
+`routing` (analyze), `study`, `advise` and `expert-placement`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from specmoe.entrypoints.args import (add_model_args, add_spec_args, apply_threads, comma_list,
-                                      json_dict, llm_from_args, speculative_from_args)
+from specmoe.entrypoints.args import (add_expert_parallel_mode_args, add_model_args,
+                                      add_spec_args, apply_threads, comma_list,
+                                      expert_parallel_kwargs, json_dict, llm_from_args,
+                                      speculative_from_args)
 from specmoe.entrypoints.routing_cli import (add_routing_parser, check_trace_path, cmd_routing,
                                              generate_with_trace)
 from specmoe.entrypoints.advise_cli import add_advise_parser
 from specmoe.entrypoints.study_cli import add_study_parser
 from specmoe.entrypoints.models_cli import add_models_parser, cmd_models
+from specmoe.entrypoints.placement_cli import add_placement_parser, cmd_expert_placement
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_routing_parser(sub)
     add_study_parser(sub)
     add_advise_parser(sub)
+    add_placement_parser(sub)
     return parser
 
 
@@ -105,7 +109,7 @@ def cmd_serve(args) -> None:
     llm = LLM(args.model, speculative=speculative_from_args(args), dtype=args.dtype,
               device=args.device, max_model_len=args.max_model_len,
               quantization=args.quantization, scheduler=scheduler,
-              moe_backend=args.moe_backend, expert_parallel_size=args.expert_parallel_size)
+              moe_backend=args.moe_backend, **expert_parallel_kwargs(args))
     try:
         run_server(llm, args.model, cfg)
     finally:
@@ -172,6 +176,7 @@ def add_bench_throughput_parser(bench) -> None:
                          "--spec-bench-categories translation")
     tp.add_argument("--expert-parallel-size", type=int, default=1,
                     help="shard a MoE target's experts over this many processes (default: 1)")
+    add_expert_parallel_mode_args(tp)
     tp.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
     tp.add_argument("--quantization", default=None, choices=["int8", "int4"])
     tp.add_argument("--draft-quantization", default=None, choices=["int8", "int4"])
@@ -319,7 +324,9 @@ def cmd_bench_throughput(args) -> int:
         num_threads=args.threads, policies=args.speculative_policy,
         batch_size_table=args.speculative_batch_size_table,
         spec_bench_categories=args.spec_bench_categories,
-        expert_parallel_size=args.expert_parallel_size)
+        expert_parallel_size=args.expert_parallel_size,
+        expert_parallel_dispatch=args.expert_parallel_dispatch,
+        expert_placement=args.expert_placement)
     out = Path(args.out or f"out/throughput-{time.strftime('%Y%m%d-%H%M')}")
     results = run_throughput_bench(cfg)
     for path in write_report(results, out):
@@ -507,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_models(args)
         elif args.command == "routing":
             return cmd_routing(args)
+        elif args.command == "expert-placement":
+            return cmd_expert_placement(args)
         elif args.command == "study":
             from specmoe.entrypoints.study_cli import cmd_study
             return cmd_study(args)

@@ -256,3 +256,16 @@ def test_policy_config():
         ThroughputBenchConfig(policies=["table"])
     with pytest.raises(ValueError, match="need a draft"):
         ThroughputBenchConfig(draft="none", policies=["adaptive"])
+
+
+def test_the_expert_parallel_section_names_the_dispatch_and_placement():
+    from specmoe.bench.throughput_report import expert_parallel_section
+    rows = [{"concurrency": 1, "mode": "plain", "communication_share": 0.4,
+             "collective_bytes_per_forward": 2048, "rank_load": [3, 4]}]
+    assert expert_parallel_section([{"concurrency": 1, "mode": "plain"}]) == []
+    text = "\n".join(expert_parallel_section(rows, {"expert_parallel_dispatch": "all_to_all",
+                                                    "expert_placement": "p.json"}))
+    assert "Dispatch `all_to_all`, placement `p.json`" in text and "all-gather" in text
+    text = "\n".join(expert_parallel_section(rows))
+    assert "Dispatch `replicated`, placement `contiguous`" in text and "all-reduce" in text
+    assert "| 1 | plain | 40% | 2 | 3 / 4 |" in text

@@ -1,8 +1,10 @@
 """The engine over 2 processes with the experts sharded (`LLM(expert_parallel_size=2)`):
 rank 0 schedules and broadcasts every forward, the worker mirrors it; greedy output, plain
 and with draft speculation, equals one process's; each rank holds only its experts; the
-communication is counted (engine, bench, /metrics); a killed worker turns into an error on
-rank 0 within the timeout, not a hang; shutdown stops the worker."""
+communication is counted (engine, bench, /metrics); the all_to_all dispatch with an
+interleaved placement file gives the same tokens, every rank (spawned or started by
+torchrun) holding the file's experts; a killed worker turns into an error on rank 0 within
+the timeout, not a hang; shutdown stops the worker."""
 
 from __future__ import annotations
 
@@ -73,8 +75,40 @@ def _check_bench_and_metrics(ep) -> None:
     assert "specmoe:expert_parallel_communication_share" in text
 
 
+def test_all_to_all_dispatch_with_an_interleaved_placement(tmp_path):
+    """Greedy tokens, plain and with speculation, equal one process's; per forward each MoE
+    layer issues 3 all_to_all and 1 all_gather, all counted."""
+    prompts = [[5, 17, 42, 99, 7, 23, 11], [3, 3, 8, 1]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    single = LLM("tiny-moe", dtype="float32")
+    want = [o.token_ids for o in single.generate(prompts, params)]
+    placement = _interleaved(tmp_path, single.target.arch.moe.num_experts)
+    ep = LLM("tiny-moe", dtype="float32", expert_parallel_size=2,
+             expert_parallel_dispatch="all_to_all", expert_placement=str(placement))
+    try:
+        assert ep.config.expert_parallel.dispatch == ep.target.dispatch == "all_to_all"
+        assert ep.target.expert_map.placement == tuple(json.loads(placement.read_text())[
+            "placement"])
+        before = ep.target.comm.copy()
+        assert [o.token_ids for o in ep.generate(prompts, params)] == want
+        step = ep.target.comm.since(before)
+        assert step.collective_calls == 4 * len(_blocks(ep)) * step.num_forwards > 0
+        spec = ep.with_speculative({"method": "draft", "draft_model": "tiny-moe-draft",
+                                    "num_speculative_tokens": 3})
+        assert [o.token_ids for o in spec.generate(prompts, params)] == want
+    finally:
+        ep.shutdown()
+
+
+def _interleaved(tmp_path: Path, num_experts: int) -> Path:
+    """A placement file putting even experts on rank 0, odd on rank 1."""
+    path = tmp_path / "interleaved.json"
+    path.write_text(json.dumps({"placement": [e % 2 for e in range(num_experts)]}))
+    return path
+
+
 def test_a_killed_worker_is_an_error_on_rank_0_not_a_hang():
-    from specmoe.worker.expert_parallel import TIMEOUT_S
+    from specmoe.worker.ep_launch import TIMEOUT_S
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     ep = LLM("tiny-moe", dtype="float32", expert_parallel_size=2)
     worker = ep._workers[0]
@@ -90,30 +124,38 @@ def test_a_killed_worker_is_an_error_on_rank_0_not_a_hang():
         ep.shutdown()
 
 
-def test_dense_models_and_bad_sizes_are_refused():
+def test_dense_models_bad_sizes_and_placements_are_refused(tmp_path):
+    """Also a placement file for another expert count: known only once the model is read,
+    so every rank refuses it at load and rank 0 stops the others."""
     import multiprocessing
     with pytest.raises(ValueError, match="expert_parallel_size=0"):
         LLM("tiny-moe", expert_parallel_size=0)
     with pytest.raises(ValueError, match="needs a MoE model"):
         LLM("tiny-moe-draft", dtype="float32", expert_parallel_size=2)
+    with pytest.raises(ValueError, match="places 4 experts; the model has 32"):
+        LLM("tiny-moe", dtype="float32", expert_parallel_size=2,
+            expert_placement=str(_interleaved(tmp_path, 4)))
     assert not multiprocessing.active_children()
 
 
-def test_torchrun_starts_the_ranks():
+def test_torchrun_starts_the_ranks(tmp_path):
     """The same script on every rank under torchrun (the multi-machine launcher; here 2
-    processes on one): rank 0 gets the single-process tokens, holding half the experts."""
-    from specmoe.worker.expert_parallel import free_port
+    processes on one), in all_to_all dispatch with an interleaved placement file: rank 0
+    gets the single-process tokens, holding half the experts, placed as the file says."""
+    from specmoe.worker.ep_launch import free_port
     single = LLM("tiny-moe", dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     want = single.generate([[5, 17, 42, 99, 7, 23, 11]], params)[0].token_ids
     script = Path(__file__).with_name("ep_torchrun_script.py")
+    placement = _interleaved(tmp_path, single.target.arch.moe.num_experts)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
          "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-         "--local-ranks-filter", "0", str(script)],
+         "--local-ranks-filter", "0", str(script), "all_to_all", str(placement)],
         capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["tokens"] == want
     assert got["experts"] == single.target.arch.moe.num_experts // 2
+    assert got["placement"] == json.loads(placement.read_text())["placement"]

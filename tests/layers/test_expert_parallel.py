@@ -1,8 +1,10 @@
-"""Expert parallelism over 2 gloo processes on 127.0.0.1: both dispatch modes give the
-single-process MoE output (fp32) at T = 1, 5, 17, 80 tokens, under uneven routing, with a
-rank that receives no token, and with no token at all on a rank; the bundled tiny-moe under
-EP=2 gives the single-process logits and, with speculation, the same greedy tokens; expert
-maps."""
+"""Expert parallelism over 2 gloo processes on 127.0.0.1: both dispatch modes, and the
+token-sliced all-to-all the engine uses, give the single-process MoE output (fp32) at T = 1,
+5, 17, 80 tokens, under uneven routing, with a rank that receives no token, and with no token
+at all on a rank; the bundled tiny-moe under EP=2 gives the single-process logits (prompts of
+1, 5, 17, 80 tokens) in either engine dispatch, with contiguous and interleaved placements
+and each rank holding only its experts, and, with speculation, the same greedy tokens;
+expert maps."""
 
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from specmoe.layers.moe.expert_parallel import (ExpertMap, combine_all_to_all,
-                                                combine_replicated)
+from specmoe.layers.moe.expert_parallel import (COLLECTIVES, ExpertMap, combine_all_to_all,
+                                                combine_replicated, combine_token_sliced)
 from specmoe.layers.moe.experts import RoutedExperts
 
 N, H, I, K = 6, 16, 8, 2
@@ -84,6 +86,10 @@ def _worker(rank: int, port: int, results) -> None:
                     own = torch.arange(rank, t, 2)     # rank 1 has no token at T = 1
                     got = combine_all_to_all(x[own], ids[own], w[own], run_local, emap)
                     torch.testing.assert_close(got, ref[own], rtol=1e-5, atol=1e-5)
+                    calls = COLLECTIVES.calls  # 3 all_to_all_single, then the all_gather
+                    got = combine_token_sliced(x, ids, w, run_local, emap)
+                    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+                    assert COLLECTIVES.calls - calls == 4
         _tiny_moe_under_ep(rank)
         results.put((rank, "ok"))
     except Exception as exc:  # noqa: BLE001 - reported to the test
@@ -95,33 +101,56 @@ def _worker(rank: int, port: int, results) -> None:
 def _tiny_moe_under_ep(rank: int) -> None:
     from specmoe import LLM, SamplingParams
     from specmoe.layers.moe.backends import moe_blocks
-    from specmoe.layers.moe.expert_parallel import (COLLECTIVES, keep_local_experts,
-                                                    set_expert_parallel)
-    from specmoe.loader.model_loader import load_model
-    from specmoe.worker.model_runner import ModelRunner
+    from specmoe.layers.moe.expert_parallel import set_expert_parallel
     plain = LLM("tiny-moe", dtype="float32")
     spec = plain.with_speculative({"method": "draft", "draft_model": "tiny-moe-draft",
                                    "num_speculative_tokens": 3})
     prompt = [5, 17, 42, 99, 7, 23, 11]
     runner = plain.target
-    want_logits = runner.forward(runner.new_cache(32), prompt)
+    want_logits = {t: runner.forward(runner.new_cache(96), _prompt(t)) for t in (1, 5, 17, 80)}
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     want = plain.generate([prompt], params)[0].token_ids
     n = runner.arch.moe.num_experts
     emap = ExpertMap.contiguous(n, 2)
     set_expert_parallel(runner.model, emap)
     calls = COLLECTIVES.calls
-    got_logits = runner.forward(runner.new_cache(32), prompt)
-    torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-5)
+    got_logits = runner.forward(runner.new_cache(96), _prompt(5))
+    torch.testing.assert_close(got_logits, want_logits[5], rtol=1e-5, atol=1e-5)
     assert COLLECTIVES.calls - calls == len(moe_blocks(runner.model))  # one per MoE layer
     assert spec.generate([prompt], params)[0].token_ids == want
-    # holding only this rank's experts (dropped at load, before packing) changes nothing
-    cfg = plain.config.model
-    local = ModelRunner(load_model(cfg, on_weights=lambda m: keep_local_experts(m, emap, rank)))
-    assert all(b.experts.num_experts == n // 2 for b in moe_blocks(local.model))
-    set_expert_parallel(local.model, emap)
-    torch.testing.assert_close(local.forward(local.new_cache(32), prompt), want_logits,
-                               rtol=1e-5, atol=1e-5)
+    _sharded_logits(rank, plain.config.model, n, want_logits)
+
+
+def _prompt(t: int) -> list[int]:
+    return [(5 + 37 * i) % 4000 + 1 for i in range(t)]
+
+
+def _sharded_logits(rank: int, cfg, n: int, want: dict) -> None:
+    """Each rank holding only its experts (dropped at load, before packing), in both engine
+    dispatch modes, with contiguous and interleaved (a non-contiguous map) placements: the
+    logits of prompts of T = 1, 5, 17, 80 tokens are one process's (T = 1: under
+    all_to_all, rank 0's token slice is empty)."""
+    from specmoe.layers.moe.backends import moe_blocks
+    from specmoe.layers.moe.expert_parallel import keep_local_experts, set_expert_parallel
+    from specmoe.loader.model_loader import load_model
+    from specmoe.worker.model_runner import ModelRunner
+    interleaved = ExpertMap(2, tuple(e % 2 for e in range(n)))
+    for emap in (ExpertMap.contiguous(n, 2), interleaved):
+        local = ModelRunner(load_model(
+            cfg, on_weights=lambda m, emap=emap: keep_local_experts(m, emap, rank)))
+        blocks = moe_blocks(local.model)
+        assert all(b.experts.num_experts == n // 2 for b in blocks)
+        backends = [b.run_experts for b in blocks]
+        for dispatch, per_layer in (("replicated", 1), ("all_to_all", 4)):
+            for b, backend in zip(blocks, backends):
+                b.run_experts = backend
+            set_expert_parallel(local.model, emap, dispatch=dispatch)
+            for t, logits in want.items():
+                calls = COLLECTIVES.calls
+                got = local.forward(local.new_cache(96), _prompt(t))
+                torch.testing.assert_close(got, logits, rtol=1e-5, atol=1e-5,
+                                           msg=lambda m: f"{dispatch} {emap} T={t}: {m}")
+                assert COLLECTIVES.calls - calls == per_layer * len(blocks)
 
 
 def _free_port() -> int:

@@ -6,9 +6,11 @@ forward wall time, the batch's broadcast included), specmoe:expert_parallel_comm
 (of that, broadcasting the batch and the MoE combines' collectives),
 specmoe:expert_parallel_collective_bytes (bytes rank 0 sent in those collectives) and
 specmoe:expert_parallel_rank_load{rank} (tokens routed to each rank's experts in the steps
-the expert load is sampled). Gauge: specmoe:expert_parallel_communication_share (communication
+the expert load is sampled, under the configured placement: contiguous, or the
+--expert-placement file). Gauges: specmoe:expert_parallel_communication_share (communication
 over forward time since the previous engine step: the share to watch, which grows with slower
-interconnects and more ranks).
+interconnects and more ranks) and specmoe:expert_parallel_expert_rank{expert} (the rank
+holding each expert, set at start).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ P = "specmoe:"
 
 
 class ExpertParallelMetrics:
-    """Exports an `ExpertParallelRunner`'s `comm` stats and per-rank load.
+    """Exports an `ExpertParallelRunner`'s `comm` stats, per-rank load and placement
+    (its `expert_map`, the one its ranks hold the experts by).
 
     Args:
         runner: the engine's target (an `ExpertParallelRunner`).
@@ -48,6 +51,11 @@ class ExpertParallelMetrics:
             metric.labels(model_name)
         for rank in range(runner.expert_map.num_ranks):
             self.rank_load.labels(model_name, str(rank))
+        self.expert_rank = Gauge(P + "expert_parallel_expert_rank",
+                                 "The rank holding each routed expert (the placement).",
+                                 labels + ["expert"], registry=registry)
+        for expert, rank in enumerate(runner.expert_map.placement):
+            self.expert_rank.labels(model_name, str(expert)).set(rank)
         self._last = runner.comm.copy()  # counts start at attach
 
     def on_step(self, expert_counts: dict[int, list[int]]) -> None:

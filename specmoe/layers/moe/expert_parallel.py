@@ -1,8 +1,9 @@
 """Expert parallelism: a MoE layer's routed experts sharded over the ranks of a
 `torch.distributed` process group, and the two ways tokens reach them.
 
-- `ExpertMap`: which rank holds each logical expert (contiguous blocks, or balanced from
-  measured load: the idea of DeepSeek's EPLB, greedily, with equal expert counts per rank).
+- `ExpertMap` (`layers.moe.placement`): which rank holds each logical expert (contiguous
+  blocks, or balanced from measured load: the idea of DeepSeek's EPLB, greedily, with equal
+  expert counts per rank).
 - `combine_replicated`: every rank holds the whole batch and its routing; it runs only its
   own experts on the (token, slot) pairs routed to them, and one `all_reduce` sums the
   partial outputs (vLLM's naive expert parallelism: one engine, one scheduler).
@@ -10,14 +11,19 @@
   the rank holding their expert, counts exchanged, rows, expert ids and gate weights sent
   with `all_to_all_single` (uneven splits), computed there, and the weighted outputs sent
   back and summed per token (the Megatron-LM / DeepSpeed-MoE dispatch and combine).
+- `combine_token_sliced`: the all-to-all dispatch on a batch every rank holds whole (as in
+  the engine, which runs the same forward on every rank): rank r takes its contiguous slice
+  of the T tokens, dispatches it with `combine_all_to_all`, and one `all_gather` rebuilds
+  the [T, H] output (sequence-parallel MoE: each rank sends only its slice's pairs).
 
-Both return, per token, sum_j w_j expert_{id_j}(x): the single-process MoE output, summed
+All return, per token, sum_j w_j expert_{id_j}(x): the single-process MoE output, summed
 in float32. Each rank's experts run through `run_local(rows [m, H], expert_ids [m]) ->
 [m, H]` (unweighted outputs of the rank's own experts, logical ids), e.g. the block's expert
 backend on the pairs as tokens with one expert each, so the fused MoE kernel runs them.
 `keep_local_experts` drops the experts other ranks hold (at load, before packing), and
-`set_expert_parallel` puts a model's MoE blocks in replicated mode. `COLLECTIVES` counts
-the time and bytes of the collectives the combines issue, for the communication share.
+`set_expert_parallel` puts a model's MoE blocks in one of the engine's dispatch modes
+(`DISPATCH_MODES`). `COLLECTIVES` counts the time and bytes of the collectives the combines
+issue, for the communication share.
 """
 
 from __future__ import annotations
@@ -28,70 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-
-@dataclass(frozen=True)
-class ExpertMap:
-    """placement[e]: the rank that holds logical expert e (the dispatch modes pass logical
-    ids to each rank's experts).
-
-    Raises:
-        ValueError: a placement naming a rank outside 0..num_ranks - 1, or a rank with none.
-    """
-
-    num_ranks: int
-    placement: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        bad = [r for r in self.placement if not 0 <= r < self.num_ranks]
-        if bad or self.num_ranks < 1:
-            raise ValueError(f"invalid placement {self.placement} for {self.num_ranks} ranks")
-        empty = sorted(set(range(self.num_ranks)) - set(self.placement))
-        if empty:
-            raise ValueError(f"ranks {empty} hold no expert: need num_experts >= num_ranks")
-
-    @classmethod
-    def contiguous(cls, num_experts: int, num_ranks: int) -> "ExpertMap":
-        """Rank r holds experts [r N / R, (r + 1) N / R)."""
-        return cls(num_ranks, tuple(e * num_ranks // num_experts for e in range(num_experts)))
-
-    @classmethod
-    def balanced(cls, load: list[float], num_ranks: int) -> "ExpertMap":
-        """Heaviest expert first onto the least-loaded rank that still has room for its
-        share (ceil(N / R) experts), so ranks carry similar token loads."""
-        n = len(load)
-        room = -(-n // num_ranks)
-        totals, counts, placement = [0.0] * num_ranks, [0] * num_ranks, [0] * n
-        for e in sorted(range(n), key=lambda i: (-load[i], i)):
-            r = min((r for r in range(num_ranks) if counts[r] < room),
-                    key=lambda r: (totals[r], r))
-            placement[e] = r
-            totals[r] += load[e]
-            counts[r] += 1
-        return cls(num_ranks, tuple(placement))
-
-    @property
-    def num_experts(self) -> int:
-        return len(self.placement)
-
-    def local_experts(self, rank: int) -> list[int]:
-        """Logical ids of the experts `rank` holds, ascending."""
-        return [e for e, r in enumerate(self.placement) if r == rank]
-
-    def rank_loads(self, load: list[float]) -> list[float]:
-        """Tokens each rank would serve under this map, from per-expert loads."""
-        totals = [0.0] * self.num_ranks
-        for e, r in enumerate(self.placement):
-            totals[r] += load[e]
-        return totals
-
-    def rank_loads_over_layers(self, counts: dict[int, list[int]]) -> list[int]:
-        """(token, slot) pairs each rank serves over all MoE layers, from per-layer,
-        per-expert counts (layer -> counts)."""
-        totals = [0] * self.num_ranks
-        for per_expert in counts.values():
-            for rank, load in enumerate(self.rank_loads(per_expert)):
-                totals[rank] += int(load)
-        return totals
+from specmoe.layers.moe.placement import ExpertMap
 
 
 @dataclass
@@ -158,6 +101,11 @@ def combine_all_to_all(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     Returns:
         [T, H] in x's dtype, for this rank's tokens.
     """
+    return _dispatch_all_to_all(x, topk_ids, topk_weights, run_local, emap, group).to(x.dtype)
+
+
+def _dispatch_all_to_all(x, topk_ids, topk_weights, run_local, emap, group) -> torch.Tensor:
+    """`combine_all_to_all`'s output in float32 ([T, H])."""
     world = dist.get_world_size(group)
     placement = torch.tensor(emap.placement, device=topk_ids.device)
     k = topk_ids.shape[1]
@@ -180,7 +128,40 @@ def combine_all_to_all(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
            send_splits, recv_splits, group=group)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     out.index_add_(0, tok, back)
-    return out.to(x.dtype)
+    return out
+
+
+def token_slices(num_tokens: int, num_ranks: int) -> list[int]:
+    """Bounds of the ranks' contiguous token slices: rank r takes tokens [b[r], b[r + 1])
+    of T, floor(r T / R) to floor((r + 1) T / R); a slice may be empty (T < R)."""
+    return [r * num_tokens // num_ranks for r in range(num_ranks + 1)]
+
+
+def combine_token_sliced(x: torch.Tensor, topk_ids: torch.Tensor,
+                         topk_weights: torch.Tensor, run_local, emap: ExpertMap,
+                         group=None) -> torch.Tensor:
+    """The MoE output of a batch every rank holds whole, through the all-to-all dispatch
+    (module docstring): rank r dispatches only its slice `token_slices(T, R)[r:r + 2]` with
+    `combine_all_to_all`; the slices' float32 outputs, padded to the longest slice
+    (ceil(T / R) rows), are gathered with one `all_gather` and cut back to T rows.
+    Arguments and result as `combine_replicated` (x identical on every rank).
+
+    Returns:
+        [T, H] in x's dtype, the same on every rank.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    bounds = token_slices(x.shape[0], world)
+    if not x.shape[0]:  # every rank sees the same T: all skip the collectives alike
+        return torch.zeros_like(x)
+    lo, hi = bounds[rank], bounds[rank + 1]
+    mine = _dispatch_all_to_all(x[lo:hi], topk_ids[lo:hi], topk_weights[lo:hi], run_local,
+                                emap, group)
+    padded = mine.new_zeros((max(b - a for a, b in zip(bounds, bounds[1:])), x.shape[1]))
+    padded[:hi - lo] = mine
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    _timed(dist.all_gather, padded.numel() * padded.element_size(), parts, padded,
+           group=group)
+    return torch.cat([p[:b - a] for p, a, b in zip(parts, bounds, bounds[1:])]).to(x.dtype)
 
 
 def keep_local_experts(model: torch.nn.Module, emap: ExpertMap, rank: int) -> None:
@@ -205,16 +186,28 @@ def _check_experts(block, num_experts: int, local: int | None = None) -> None:
                          f"experts; the expert map has {num_experts}")
 
 
-def set_expert_parallel(model: torch.nn.Module, emap: ExpertMap, group=None) -> None:
+DISPATCH_MODES = {"replicated": combine_replicated, "all_to_all": combine_token_sliced}
+
+
+def set_expert_parallel(model: torch.nn.Module, emap: ExpertMap, group=None,
+                        dispatch: str = "replicated") -> None:
     """Every MoE block of `model` computes only this rank's experts, through its expert
-    backend, and sums with the other ranks (`combine_replicated`). Every rank must run the
-    same forwards on the same batch. A block may hold all experts or, after
-    `keep_local_experts`, only this rank's.
+    backend, and combines with the other ranks by `dispatch`: "replicated"
+    (`combine_replicated`, one all_reduce per layer) or "all_to_all"
+    (`combine_token_sliced`: three all_to_all_single and one all_gather per layer, each rank
+    sending only its token slice's pairs). Every rank must run the same forwards on the
+    same batch. A block may hold all experts or, after `keep_local_experts`, only this
+    rank's.
 
     Raises:
-        ValueError: a block whose expert count is neither the map's nor this rank's share.
+        ValueError: a dispatch not in `DISPATCH_MODES`, or a block whose expert count is
+            neither the map's nor this rank's share.
     """
     from specmoe.layers.moe.backends import moe_blocks
+    if dispatch not in DISPATCH_MODES:
+        raise ValueError(f"invalid expert-parallel dispatch={dispatch!r}: must be one of "
+                         f"{tuple(DISPATCH_MODES)}")
+    combine = DISPATCH_MODES[dispatch]
     local = emap.local_experts(dist.get_rank(group))
     for block in moe_blocks(model):
         _check_experts(block, emap.num_experts, len(local))
@@ -228,4 +221,4 @@ def set_expert_parallel(model: torch.nn.Module, emap: ExpertMap, group=None) -> 
             return backend(rows, position.to(ids.device)[ids][:, None], ones)
 
         block.run_experts = (lambda x, ids, w, run_local=run_local:
-                             combine_replicated(x, ids, w, run_local, emap, group))
+                             combine(x, ids, w, run_local, emap, group))
