@@ -131,15 +131,20 @@ class ShapeCounts:
 
     Attributes:
         num_layers: L.
-        attn_params: QKV + output projection weights per layer.
+        attn_params: QKV + output projection weights per layer (MLA: its q, kv_a, kv_b and
+            o projections).
         mlp_params: the weights every token runs per layer besides attention: the dense MLP,
             or an MoE layer's shared expert and its gate (0 for an MoE without one).
         expert_params: one routed expert's weights (0 for dense).
         router_params: router weights per layer (0 for dense).
         head_params: LM head weights.
-        kv_bytes_per_token: key + value bytes one token stores per layer.
+        kv_bytes_per_token: bytes one token stores per layer (key + value, or MLA's latent).
         num_experts, top_k: N and k (0 for dense).
         dtype_bytes: bytes per weight.
+        num_dense_layers: layers of an MoE model with a dense MLP instead of the MoE block
+            (DeepSeek's dense first layers; 0 for a dense model, whose every layer runs
+            `mlp_params`).
+        dense_mlp_params: the dense MLP weights of each of those layers.
     """
 
     num_layers: int
@@ -152,24 +157,33 @@ class ShapeCounts:
     num_experts: int
     top_k: int
     dtype_bytes: int
+    num_dense_layers: int = 0
+    dense_mlp_params: int = 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Layers with an MoE block (0 for dense)."""
+        return self.num_layers - self.num_dense_layers if self.num_experts else 0
 
     @classmethod
     def from_preset(cls, preset: Preset, dtype_bytes: int = 2) -> "ShapeCounts":
         a = preset.arch()
-        h, kv = a.hidden_size, a.num_key_value_heads * a.head_dim
-        ffn = a.gated_mlp_params(preset.intermediate_size)
+        h = a.hidden_size
+        if not preset.is_moe:
+            return cls(a.num_hidden_layers, a.attention_params,
+                       a.gated_mlp_params(preset.intermediate_size), 0, 0, a.vocab_size * h,
+                       a.kv_cache_values_per_token * dtype_bytes, 0, 0, dtype_bytes)
         return cls(a.num_hidden_layers, a.attention_params,
-                   0 if preset.is_moe else ffn, ffn if preset.is_moe else 0,
-                   h * preset.num_experts, a.vocab_size * h, 2 * kv * dtype_bytes,
-                   preset.num_experts, preset.top_k, dtype_bytes)
+                   a.gated_mlp_params(a.moe.shared_expert_intermediate_size),
+                   a.gated_mlp_params(preset.intermediate_size), h * preset.num_experts,
+                   a.vocab_size * h, a.kv_cache_values_per_token * dtype_bytes,
+                   preset.num_experts, preset.top_k, dtype_bytes,
+                   preset.first_dense_layers, a.gated_mlp_params(preset.dense_width))
 
     @classmethod
     def from_arch(cls, arch, dtype_bytes: int = 2) -> "ShapeCounts":
-        """From a loaded model's `ArchConfig` (every layer dense, or every layer MoE).
-
-        Raises:
-            ValueError: some layers MoE and others dense (the model sums identical layers).
-        """
+        """From a loaded model's `ArchConfig`: every layer dense, or MoE blocks in some
+        layers and a dense MLP of `intermediate_size` in the others."""
         h, kv_values = arch.hidden_size, arch.kv_cache_values_per_token
         head = arch.vocab_size * h
         moe = arch.moe
@@ -177,32 +191,33 @@ class ShapeCounts:
             return cls(arch.num_hidden_layers, arch.attention_params,
                        arch.gated_mlp_params(arch.intermediate_size), 0, 0, head,
                        kv_values * dtype_bytes, 0, 0, dtype_bytes)
-        if len(moe.moe_layers) != arch.num_hidden_layers:
-            raise ValueError(f"{len(moe.moe_layers)} of {arch.num_hidden_layers} layers are "
-                             "MoE: the cost model sums identical layers")
         shared = moe.shared_expert_intermediate_size
         shared_params = arch.gated_mlp_params(shared) + h if shared else 0
+        num_dense = arch.num_hidden_layers - len(moe.moe_layers)
         return cls(arch.num_hidden_layers, arch.attention_params, shared_params,
                    arch.gated_mlp_params(moe.moe_intermediate_size), h * moe.num_experts,
-                   head, kv_values * dtype_bytes, moe.num_experts, moe.top_k, dtype_bytes)
+                   head, kv_values * dtype_bytes, moe.num_experts, moe.top_k, dtype_bytes,
+                   num_dense, arch.gated_mlp_params(arch.intermediate_size) if num_dense else 0)
 
 
 def features(shape: ShapeCounts, machine: MachineProfile, batch_size: int, num_tokens: int,
              context_len: int, unique_experts: float) -> np.ndarray:
     """The cost model's terms for one (B, T), in the order of FEATURES:
-    [matmul seconds, KV-read seconds, 1, U L expert calls]."""
+    [matmul seconds, KV-read seconds, 1, U L_moe expert calls] (L_moe: the MoE layers)."""
     rows, mm = batch_size * num_tokens, machine.matmul_seconds
-    per_layer = mm(rows, shape.attn_params)
-    if shape.mlp_params:
-        per_layer += mm(rows, shape.mlp_params)
+    matmul = shape.num_layers * mm(rows, shape.attn_params) + mm(rows, shape.head_params)
+    per_layer = mm(rows, shape.mlp_params) if shape.mlp_params else 0.0
     if shape.num_experts:
         per_expert_rows = rows * shape.top_k / max(unique_experts, 1e-9)
         per_layer += mm(rows, shape.router_params)
         per_layer += unique_experts * mm(per_expert_rows, shape.expert_params)
-    matmul = shape.num_layers * per_layer + mm(rows, shape.head_params)
+        matmul += shape.num_dense_layers * mm(rows, shape.dense_mlp_params)
+        matmul += shape.num_moe_layers * per_layer
+    else:
+        matmul += shape.num_layers * per_layer
     kv = shape.num_layers * batch_size * (context_len + num_tokens) \
         * shape.kv_bytes_per_token / machine.bandwidth
-    calls = shape.num_layers * unique_experts if shape.num_experts else 0.0
+    calls = shape.num_moe_layers * unique_experts
     return np.array([matmul, kv, 1.0, calls])
 
 
@@ -242,10 +257,11 @@ def amdahl_estimate(shape: ShapeCounts, t_one: float, unique_one: float,
     bytes read at (B, 1) (weights and KV cache). Dense models: Tt(B, 1)."""
     if not shape.num_experts:
         return t_one
-    s = shape.dtype_bytes
-    expert = shape.num_layers * unique_one * shape.expert_params * s
-    rest = (shape.num_layers * (shape.attn_params + shape.mlp_params + shape.router_params)
-            + shape.head_params) * s
+    s, moe_layers = shape.dtype_bytes, shape.num_moe_layers
+    expert = moe_layers * unique_one * shape.expert_params * s
+    rest = (shape.num_layers * shape.attn_params
+            + moe_layers * (shape.mlp_params + shape.router_params)
+            + shape.num_dense_layers * shape.dense_mlp_params + shape.head_params) * s
     rest += shape.num_layers * batch_size * (context_len + 1) * shape.kv_bytes_per_token
     f = expert / (expert + rest)
     return t_one * ((1.0 - f) + f * unique_t / unique_one)

@@ -35,12 +35,15 @@ from specmoe.analysis.verify_cost import VerifyCostBench, build_synthetic, measu
 
 def routing_source(preset: Preset, cfg: StudyConfig, trace=None):
     """The routing source of a synthetic MoE preset: one shared source, a list of one per
-    layer (replaying `trace`), or None (the model's own router)."""
+    MoE layer (replaying `trace`), or None (the model's own router). The sources draw over
+    all N experts, whatever group limit the preset's router has (DeepSeek's keeps 4 of 8
+    groups per token): each expert's chance k/N per token is the same either way, so the
+    unique experts of independent tokens, what a forward reads, are too."""
     if cfg.routing == "router":
         return None
     if cfg.routing == "trace":
         base = TraceRouting.from_trace(trace)
-        return [base.for_layer(i) for i in range(preset.num_layers)]
+        return [base.for_layer(i) for i in range(preset.num_moe_layers)]
     if cfg.routing == "uniform" or preset.num_experts < 2 * preset.top_k:
         return UniformRouting(preset.num_experts, preset.top_k)
     return CorrelatedRouting(preset.num_experts, preset.top_k, cfg.overlap)

@@ -269,14 +269,15 @@ def _trace_presets(presets: list[Preset], trace, cfg: StudyConfig
     replaced = [p.name for p in presets if p not in keep]
     notes = []
     if replaced or not any(p.is_moe for p in keep):
-        layers = next((p.num_layers for p in presets if p.is_moe), presets[0].num_layers)
+        layers = next((p.num_moe_layers for p in presets if p.is_moe),
+                      presets[0].num_layers)
         extra = trace_preset(*shape, layers)
         keep.insert(0, extra)
         if replaced:
             notes.append(f"trace N={shape[0]}, k={shape[1]}: presets {replaced} replaced by "
                          f"{extra.name} (same total size)")
-    if len(trace.moe_layers) < keep[0].num_layers:
-        notes.append(f"the trace has {len(trace.moe_layers)} MoE layers: model layer i "
+    if len(trace.moe_layers) < max(p.num_moe_layers for p in keep):
+        notes.append(f"the trace has {len(trace.moe_layers)} MoE layers: MoE layer i "
                      f"replays traced layer i mod {len(trace.moe_layers)}")
     return keep, notes
 

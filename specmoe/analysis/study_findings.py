@@ -27,13 +27,34 @@ def verification_ratio(res: dict, batch_size: int, num_tokens: int,
     return pts[batch_size, num_tokens][key] / pts[batch_size, 1][key]
 
 
+def sparsity(preset: dict) -> float:
+    """k/N of a preset (`dataclasses.asdict` of a `Preset`, as results.json holds it): the
+    share of routed experts one token runs (0.0 for dense)."""
+    return preset["top_k"] / preset["num_experts"] if preset["num_experts"] else 0.0
+
+
+def shape_extras(preset: dict) -> list[str]:
+    """What a preset has beyond Llama-style attention and routed experts alone, in words
+    (DeepSeek's MLA, shared experts, dense first layers); empty for the others and for
+    results.json files written before these fields existed."""
+    out = ["MLA attention"] if preset.get("mla") else []
+    shared, dense = preset.get("shared_experts", 0), preset.get("first_dense_layers", 0)
+    if shared:
+        out.append(f"{shared} shared expert" + "s" * (shared > 1))
+    if dense:
+        out.append(f"{dense} dense first layer" + "s" * (dense > 1))
+    return out
+
+
 def findings(r: dict) -> list[str]:
-    """Bullet lines: verification flatness MoE vs dense, the speedup's shape against B,
-    where speculation stops paying, cost-model accuracy, and learned-routing overlap."""
+    """Bullet lines: verification flatness MoE vs dense and across the MoE presets' k/N,
+    the speedup's shape against B, where speculation stops paying, cost-model accuracy, and
+    learned-routing overlap."""
     presets = r["presets"]
     moe = [n for n, res in presets.items() if res["preset"]["num_experts"]]
     dense = [n for n in presets if n not in moe]
     out = _flatness(presets, moe, dense)
+    out += _sparsity_lines(presets, moe)
     out += _speedup_shape(r["speedup"], moe, dense)
     out += _model_accuracy(r["cost_model"])
     e2e = r.get("e2e")
@@ -62,6 +83,34 @@ def _flatness(presets: dict, moe: list[str], dense: list[str]) -> list[str]:
         out.append("- " + _rise_sentence(presets, moe + dense, batch_sizes, t))
         out += ["- " + _cheaper_sentence(presets, moe, d, batch_sizes, t) for d in dense]
     return out
+
+
+def _sparsity_lines(presets: dict, moe: list[str]) -> list[str]:
+    """Whether the sparser MoE (smaller k/N) keeps verification flatter: the MoE presets
+    ordered by k/N, each one's verification ratio at the largest B and its rise from the
+    smallest B, which preset rises least, and whether the rise grows with k/N."""
+    batch_sizes = sorted({p["B"] for res in presets.values() for p in res["points"]})
+    if len(batch_sizes) < 2 or len({sparsity(presets[n]["preset"]) for n in moe}) < 2:
+        return []
+    t, lo, hi = finding_tokens(presets), batch_sizes[0], batch_sizes[-1]
+    order = sorted(moe, key=lambda n: sparsity(presets[n]["preset"]))
+    at_hi = {n: verification_ratio(presets[n], hi, t) for n in order}
+    rise = {n: at_hi[n] / verification_ratio(presets[n], lo, t) - 1 for n in order}
+    parts = [f"{n} (k/N {sparsity(presets[n]['preset']):.1%}) {at_hi[n]:.2f}x, {rise[n]:+.0%}"
+             for n in order]
+    sparsest, flattest = order[0], min(order, key=rise.__getitem__)
+    steady = all(rise[a] <= rise[b] for a, b in zip(order, order[1:]))
+    verdict = (f"the sparsest, {sparsest}, keeps verification flattest" if flattest == sparsest
+               else f"the sparsest, {sparsest}, does not keep verification flattest "
+               f"({flattest} rises least)")
+    verdict += ("; the rise grows with k/N across all of them" if steady
+                else "; the rise does not grow steadily with k/N")
+    extras = [f"{n} has {', '.join(shape_extras(presets[n]['preset']))}" for n in order
+              if shape_extras(presets[n]["preset"])]
+    note = (f" Sparsity is not the only difference: {'; '.join(extras)}." if extras else "")
+    return [f"- By sparsity, smallest k/N first: verifying K={t - 1} drafts at B={hi} costs "
+            + ", ".join(parts) + f" (the ratio, then its change from B={lo}): {verdict}."
+            + note]
 
 
 def _rise_sentence(presets: dict, names: list[str], batch_sizes: list[int], t: int) -> str:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from specmoe.analysis.study_findings import finding_tokens, findings, verification_ratio
+from specmoe.analysis.study_findings import (finding_tokens, findings, shape_extras,
+                                              sparsity, verification_ratio)
 
 
 def write_outputs(results: dict, out: Path, routing_analysis=None) -> None:
@@ -65,8 +66,10 @@ def preset_table(presets: dict[str, dict], llc: int | None) -> list[str]:
     for name, res in presets.items():
         p, s = res["preset"], res["size"]
         shape = (f"L={p['num_layers']}, H={p['hidden_size']}, "
-                 + (f"N={p['num_experts']}, k={p['top_k']}, expert width {p['intermediate_size']}"
-                    if p["num_experts"] else f"MLP width {p['intermediate_size']}"))
+                 + (f"N={p['num_experts']}, k={p['top_k']} (k/N {sparsity(p):.1%}), expert "
+                    f"width {p['intermediate_size']}" if p["num_experts"]
+                    else f"MLP width {p['intermediate_size']}")
+                 + "".join(f", {x}" for x in shape_extras(p)))
         routing = res.get("routing") or {}
         lines.append(f"| {name} | {shape} | {s['total_params'] / 1e6:.0f} M | "
                      f"{s['active_params'] / 1e6:.0f} M | {s['weight_bytes'] / 2**20:.0f} MiB | "

@@ -388,12 +388,13 @@ def add_bench_moe_parser(bench) -> None:
 
 
 def cmd_bench_moe(args) -> int:
+    import dataclasses
     import time
     from pathlib import Path
 
     import torch
 
-    from specmoe.analysis.presets import PRESETS, Preset, last_level_cache_bytes
+    from specmoe.analysis.presets import PRESETS, last_level_cache_bytes
     from specmoe.analysis.routing_gen import CorrelatedRouting
     from specmoe.analysis.verify_cost import build_synthetic
     from specmoe.bench.moe import MoEBenchConfig, MoECase, run_moe_bench
@@ -419,9 +420,9 @@ def cmd_bench_moe(args) -> int:
 
     def case(name: str) -> MoECase:
         p = PRESETS[name].scaled(args.scale_layers)
-        if args.smoke:  # the preset's N and k, tiny widths
-            p = Preset(p.name, p.description, p.num_experts, p.top_k,
-                       max(32, p.intermediate_size // 16), num_layers=2, hidden_size=128)
+        if args.smoke:  # the preset's N, k and layout (MLA, shared experts), tiny widths
+            p = dataclasses.replace(p, intermediate_size=max(32, p.intermediate_size // 16),
+                                    num_layers=p.first_dense_layers + 2, hidden_size=128)
         return MoECase(p.name, p.description, p.arch(),
                        CorrelatedRouting(p.num_experts, p.top_k, args.overlap),
                        lambda: build_synthetic(p, cfg.dtype, cfg.device, cfg.seed, max_len))

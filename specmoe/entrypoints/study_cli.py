@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 from rich.console import Console
@@ -186,6 +187,7 @@ def print_presets(presets: list[Preset], cfg: StudyConfig, console: Console) -> 
     """Each preset's shape and bytes, before anything is built."""
     from rich.table import Table
     from specmoe.analysis.presets import preset_size
+    from specmoe.analysis.study_findings import shape_extras
     table = Table(title="presets (synthetic weights)")
     for col in ("preset", "layers", "hidden", "MLP", "total params", "active params", "bytes"):
         table.add_column(col)
@@ -193,6 +195,7 @@ def print_presets(presets: list[Preset], cfg: StudyConfig, console: Console) -> 
         s = preset_size(p, st.dtype_size(cfg.dtype))
         mlp = (f"{p.num_experts} experts x {p.intermediate_size}, top-{p.top_k}"
                if p.is_moe else f"dense {p.intermediate_size}")
+        mlp += "".join(f", {x}" for x in shape_extras(dataclasses.asdict(p)))
         table.add_row(p.name, str(p.num_layers), str(p.hidden_size), mlp,
                       f"{s.total_params / 1e6:.0f} M", f"{s.active_params / 1e6:.0f} M",
                       f"{s.weight_bytes / 2**20:.0f} MiB")

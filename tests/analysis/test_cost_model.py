@@ -134,6 +134,8 @@ def test_shape_counts_of_a_loaded_architecture():
     assert s.head_params == 100 * 16 and s.kv_bytes_per_token == 2 * 2 * 4 * 2
     dense = cm.ShapeCounts.from_arch(ArchConfig(**common))
     assert dense.num_experts == 0 and dense.mlp_params == 3 * 16 * 64
-    half = MoEConfig(**{**moe.__dict__, "moe_layers": [1]})
-    with pytest.raises(ValueError, match="1 of 2 layers are MoE"):
-        cm.ShapeCounts.from_arch(ArchConfig(**common, moe=half))
+    # DeepSeek's dense first layers: layer 0 runs a dense MLP of intermediate_size
+    half = cm.ShapeCounts.from_arch(ArchConfig(**common, moe=MoEConfig(
+        **{**moe.__dict__, "moe_layers": [1]})))
+    assert (half.num_dense_layers, half.num_moe_layers) == (1, 1)
+    assert half.dense_mlp_params == 3 * 16 * 64 and s.num_dense_layers == 0

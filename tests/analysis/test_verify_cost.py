@@ -11,6 +11,7 @@ from specmoe.analysis.routing_gen import CorrelatedRouting
 from specmoe.analysis.verify_cost import VerifyCostBench, build_synthetic, measure_grid
 from specmoe.layers.moe.backends import moe_blocks, set_expert_stats
 from specmoe.layers.moe.stats import ExpertStatsRecorder
+from specmoe.models.decoder import DecoderModel
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -27,6 +28,16 @@ def test_synthetic_model_has_the_preset_shape_and_finite_weights():
     assert all(p.dtype == torch.float32 for p in params.values())
     norms = [p for n, p in params.items() if "norm" in n]
     assert norms and all((p == 1).all() for p in norms)
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_preset_size_counts_every_parameter_of_the_full_size_model(name):
+    """Every preset at full size (DeepSeek's MLA, shared expert and dense first layer
+    included), built on the meta device: the real shapes, no memory."""
+    preset = PRESETS[name]
+    with torch.device("meta"):
+        model = DecoderModel(preset.arch(), 64)
+    assert sum(p.numel() for p in model.parameters()) == preset_size(preset).total_params
 
 
 def test_replayed_routing_is_what_the_experts_receive():

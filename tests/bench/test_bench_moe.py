@@ -27,7 +27,8 @@ from specmoe.models.decoder import DecoderModel
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # The study's MoE presets: name -> (N, k).
-PRESETS = {"moe-128x8": (128, 8), "moe-64x8": (64, 8), "moe-8x2": (8, 2)}
+PRESETS = {"moe-128x8": (128, 8), "moe-64x8": (64, 8), "moe-8x2": (8, 2),
+           "deepseek-256x8": (256, 8)}
 NUM_TOKENS = [1, 9, 80]
 
 
@@ -60,7 +61,8 @@ def test_smoke_run_writes_json_markdown_and_png(smoke):
     report = (out / "report.md").read_text()
     for name in PRESETS:
         assert f"## {name}" in report
-    assert report.count("### one MoE layer") == report.count("### whole-model step") == 3
+    assert report.count("### one MoE layer") == report.count("### whole-model step") \
+        == len(PRESETS)
     assert "PASS" in report or "FAIL" in report
     env = results["environment"]
     assert len(env["read_bandwidth_probes"]) == 3 * len(PRESETS)  # before, between, after
