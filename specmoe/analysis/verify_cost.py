@@ -34,7 +34,8 @@ from specmoe.bench.roofline import synchronize
 from specmoe.layers.moe.backends import moe_blocks, set_expert_stats
 from specmoe.layers.moe.replay_router import ReplayRouter
 from specmoe.layers.moe.stats import ExpertStatsRecorder
-from specmoe.loader.model_loader import DTYPES, LoadedModel, default_dtype
+from specmoe.loader.model_loader import (DTYPES, LoadedModel, default_dtype,
+                                         prepare_for_inference)
 from specmoe.models.decoder import DecoderModel
 from specmoe.worker.model_runner import ModelRunner, SequenceInput
 
@@ -42,9 +43,12 @@ BLOCK_SIZE = 16
 
 
 def build_synthetic(preset: Preset, dtype: str = "bfloat16", device: str = "cpu",
-                    seed: int = 0, max_len: int = 4096) -> ModelRunner:
+                    seed: int = 0, max_len: int = 4096, moe_backend: str = "auto",
+                    keep_dense: bool = False) -> ModelRunner:
     """The preset as a ready-to-run `ModelRunner` with random weights (built directly in
-    `dtype`, so a 3.7 GB preset needs 3.7 GB, not twice that)."""
+    `dtype`, so a 3.7 GB preset needs 3.7 GB, not twice that), prepared as a loaded model
+    is (`prepare_for_inference`: the MoE backend `moe_backend`, packed weights, the dense
+    ones kept with `keep_dense`)."""
     arch = preset.arch()
     torch_dtype, dev = DTYPES[dtype], torch.device(device)
     with default_dtype(torch_dtype), dev:
@@ -52,7 +56,7 @@ def build_synthetic(preset: Preset, dtype: str = "bfloat16", device: str = "cpu"
     fill_synthetic_(model, seed)
     for block in moe_blocks(model):
         block.router = ReplayRouter(block.router)
-    model.eval().requires_grad_(False)
+    prepare_for_inference(model, dev, torch_dtype, moe_backend, keep_dense)
     loaded = LoadedModel(model, arch, Path(f"synthetic:{preset.name}"), dev, torch_dtype,
                          max_len)
     return ModelRunner(loaded)

@@ -425,7 +425,8 @@ def cmd_bench_moe(args) -> int:
                                     num_layers=p.first_dense_layers + 2, hidden_size=128)
         return MoECase(p.name, p.description, p.arch(),
                        CorrelatedRouting(p.num_experts, p.top_k, args.overlap),
-                       lambda: build_synthetic(p, cfg.dtype, cfg.device, cfg.seed, max_len))
+                       lambda: build_synthetic(p, cfg.dtype, cfg.device, cfg.seed, max_len,
+                                               keep_dense=True))  # backends switch
 
     cases = [case(n) for n in names]  # a bad shape or overlap fails before any timing
     out = Path(args.out or f"out/bench-moe-{time.strftime('%Y%m%d-%H%M')}")

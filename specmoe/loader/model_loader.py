@@ -117,15 +117,30 @@ def load_model(config: ModelConfig, on_weights=None) -> LoadedModel:
         on_weights(model)
     if config.quantization is not None:
         quantize_model(model, config.quantization)
+    prepare_for_inference(model, device, dtype, config.moe_backend)
+    return LoadedModel(model, arch, path, device, dtype, max_len)
+
+
+def prepare_for_inference(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+                          moe_backend: str = "auto", keep_dense: bool = False) -> None:
+    """What every model gets between its weights and its first forward: eval mode without
+    autograd, its MoE blocks' expert backend (`moe_backend`, "auto" as
+    `resolve_moe_backend`), and on CPU the native kernels' packed copies in place of the
+    dense weights (beside them with `keep_dense`, so the MoE backend can still be switched
+    to one that reads them), on 2 MiB pages. Synthetic models (the study's presets) take
+    the same steps, so they are timed on the paths a loaded model runs.
+
+    Raises:
+        ValueError: an unknown `moe_backend`.
+    """
     model.eval().requires_grad_(False)
     if moe_blocks(model):  # before packing: only "fused" and "grouped" read packed experts
-        set_moe_backend(model, resolve_moe_backend(config.moe_backend, device,
+        set_moe_backend(model, resolve_moe_backend(moe_backend, device,
                                                    _native_bf16(device, dtype)))
     if device.type == "cpu":
         # the bf16 kernel's panel copies replace the dense weights, and move with the rest:
-        prepack_weights(model, release_dense=True)
+        prepack_weights(model, release_dense=not keep_dense)
         hugepages.rehome_module(model)  # decoding streams the weights: 2 MiB pages
-    return LoadedModel(model, arch, path, device, dtype, max_len)
 
 
 def _native_bf16(device: torch.device, dtype: torch.dtype) -> bool:

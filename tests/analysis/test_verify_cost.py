@@ -89,3 +89,23 @@ def test_preset_sizes_and_the_cache_rule():
     warn = check_preset_sizes(presets, 1 << 30, 2)
     assert len(warn) == 2 and "under 4x" in warn[0]
     assert PRESETS["moe-64x8"].scaled(2.0).num_layers == 12
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_synthetic_model_runs_the_experts_on_the_backend_a_loaded_model_gets(dtype):
+    """The study times presets on the paths served models run: the MoE backend "auto"
+    resolves to (the fused kernel in bf16 where the native kernels run) and packed weights,
+    and the replayed routing still reaches the experts."""
+    from specmoe.layers.moe.backends import MOE_BACKENDS, resolve_moe_backend
+    from specmoe.loader.model_loader import DTYPES, _native_bf16
+    preset = Preset("small-moe-16", "test", num_experts=8, top_k=2, intermediate_size=32,
+                    num_layers=2, hidden_size=256)
+    runner = build_synthetic(preset, dtype=dtype)
+    cpu = torch.device("cpu")
+    name = resolve_moe_backend("auto", cpu, _native_bf16(cpu, DTYPES[dtype]))
+    for block in moe_blocks(runner.model):
+        assert block.run_experts.__name__ == MOE_BACKENDS[name].__name__
+    bench = VerifyCostBench(runner, CorrelatedRouting(8, 2, 0.5), context_len=16,
+                            max_batch_size=2, max_num_tokens=3)
+    seconds, unique = bench.time_forward(2, 3)
+    assert seconds > 0 and len(unique) == 2 and all(1 <= u <= 8 for u in unique)
