@@ -11,8 +11,8 @@ from kernel_checks import require_kernel
 import torch
 
 from specmoe.bench import roofline
-from specmoe.bench.throughput import (ThroughputBenchConfig, add_floors, aggregate, ratios,
-                                      slowest_steps, target_line)
+from specmoe.bench.throughput import ThroughputBenchConfig, add_floors
+from specmoe.bench.throughput_stats import aggregate, ratios, slowest_steps, target_line
 from specmoe.bench.throughput_floor import MatmulCounts, run_floor_seconds
 from specmoe.bench.throughput_report import bound_sentence, markdown
 from specmoe.config import ArchConfig, MoEConfig

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from specmoe.bench.throughput import (STEP_FIELDS, ThroughputBenchConfig, round_robin,
-                                      aggregate, is_decode_step, percentile, ratios, slowest_steps,
-                                      target_line, waves_for)
+from specmoe.bench.throughput import ThroughputBenchConfig, round_robin, waves_for
+from specmoe.bench.throughput_stats import (STEP_FIELDS, aggregate, is_decode_step, percentile,
+                                            ratios, slowest_steps, target_line)
 from specmoe.bench.throughput_report import caveats, markdown, target_sentence, write_report
 from specmoe.utils.data import Prompt
 
