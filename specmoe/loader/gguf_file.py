@@ -33,87 +33,22 @@ import gguf
 import numpy as np
 import torch
 
+from specmoe.loader.gguf_names import (
+    FAMILIES,
+    GLOBAL_NAMES,
+    LEGACY_EXPERT_BASES,
+    SKIPPED_BLOCK,
+    SKIPPED_GLOBAL,
+)
+
 # Values of `general.architecture` this module reads. Mixtral-style MoE GGUFs use `llama`
 # with `llama.expert_count` > 0.
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "olmoe")
 
 _GGUF_MAGIC = b"GGUF"
 
-# Tensors llama.cpp writes that are not HuggingFace checkpoint weights; they are skipped.
-# - `rope_freqs`: per-dimension rotary frequency divisors [head_dim // 2] that the converter
-#   computes from `rope_scaling` (Llama 3.x "llama3" rope type); HF recomputes them from the
-#   config. It is exposed as `GGUFCheckpoint.rope_freq_factors` since the GGUF metadata does
-#   not keep the llama3 rope_scaling parameters.
-# - `blk.{i}.attn_rot_embd`: the rotary `inv_freq` buffer of old converters, recomputed by HF.
-_SKIPPED_GLOBAL = frozenset({"rope_freqs.weight"})
-_SKIPPED_BLOCK = frozenset({"attn_rot_embd"})
-
-_GLOBAL_NAMES: dict[str, str] = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-
-# GGUF block tensor base name -> HF name under `model.layers.{i}.` (without .weight/.bias).
-_ATTENTION = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_QK_NORM = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-_DENSE_MLP = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-_ROUTER = {"ffn_gate_inp": "mlp.gate"}
-_SHARED_EXPERT = {
-    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
-    "ffn_up_shexp": "mlp.shared_expert.up_proj",
-    "ffn_down_shexp": "mlp.shared_expert.down_proj",
-    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
-}
-# Stacked experts [num_experts, out, in] -> HF per-expert name template.
-_EXPERTS = {
-    "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
-    "ffn_up_exps": "mlp.experts.{e}.up_proj",
-    "ffn_down_exps": "mlp.experts.{e}.down_proj",
-}
-_MIXTRAL_ROUTER = {"ffn_gate_inp": "block_sparse_moe.gate"}
-_MIXTRAL_EXPERTS = {
-    "ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
-    "ffn_up_exps": "block_sparse_moe.experts.{e}.w3",
-    "ffn_down_exps": "block_sparse_moe.experts.{e}.w2",
-}
-# Old llama.cpp Mixtral files store one tensor per expert: `blk.{i}.ffn_gate.{e}.weight`.
-_LEGACY_EXPERT_BASES = {"ffn_gate": "ffn_gate_exps", "ffn_up": "ffn_up_exps", "ffn_down": "ffn_down_exps"}
-
 _BLOCK_TENSOR = re.compile(r"blk\.(?P<layer>\d+)\.(?P<base>\w+?)(?:\.(?P<expert>\d+))?\.(?P<kind>weight|bias)")
 
-
-@dataclass(frozen=True, slots=True)
-class _Family:
-    """How one model family maps from GGUF to HuggingFace."""
-
-    hf_architecture: str
-    model_type: str
-    block_names: dict[str, str]
-    expert_names: dict[str, str]
-    is_rope_permuted: bool  # llama.cpp permuted q/k rows (LlamaModel.permute)
-
-
-_FAMILIES: dict[str, _Family] = {
-    "llama": _Family("LlamaForCausalLM", "llama", _ATTENTION | _DENSE_MLP, {}, True),
-    "mixtral": _Family("MixtralForCausalLM", "mixtral", _ATTENTION | _MIXTRAL_ROUTER, _MIXTRAL_EXPERTS, True),
-    "qwen2": _Family("Qwen2ForCausalLM", "qwen2", _ATTENTION | _DENSE_MLP, {}, False),
-    "qwen2moe": _Family(
-        "Qwen2MoeForCausalLM", "qwen2_moe", _ATTENTION | _DENSE_MLP | _ROUTER | _SHARED_EXPERT, _EXPERTS, False
-    ),
-    "qwen3": _Family("Qwen3ForCausalLM", "qwen3", _ATTENTION | _QK_NORM | _DENSE_MLP, {}, False),
-    "qwen3moe": _Family(
-        "Qwen3MoeForCausalLM", "qwen3_moe", _ATTENTION | _QK_NORM | _DENSE_MLP | _ROUTER, _EXPERTS, False
-    ),
-    "olmoe": _Family("OlmoeForCausalLM", "olmoe", _ATTENTION | _QK_NORM | _ROUTER, _EXPERTS, False),
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +81,7 @@ class GGUFCheckpoint:
         self._reader = _open_reader(self.path)
         self._tensors = {t.name: t for t in self._reader.tensors}
         self.architecture = self._architecture()
-        self._family = _FAMILIES[self._family_name()]
+        self._family = FAMILIES[self._family_name()]
         self._plans = self._build_plans()
 
     # ---------------------------------------------------------------- metadata
@@ -310,7 +245,7 @@ class GGUFCheckpoint:
         plans: list[_TensorPlan] = []
         unknown: list[str] = []
         for name in self._tensors:
-            if name in _SKIPPED_GLOBAL:
+            if name in SKIPPED_GLOBAL:
                 continue
             plan = self._plan_global(name) or self._plan_block(name)
             if plan is None:
@@ -325,7 +260,7 @@ class GGUFCheckpoint:
         return plans
 
     def _plan_global(self, name: str) -> _TensorPlan | None:
-        hf_name = _GLOBAL_NAMES.get(name)
+        hf_name = GLOBAL_NAMES.get(name)
         if hf_name is None:
             return None
         return _TensorPlan(name, (hf_name,), None, False, None, False)
@@ -335,11 +270,11 @@ class GGUFCheckpoint:
         if match is None:
             return None
         base, kind, expert = match["base"], match["kind"], match["expert"]
-        if base in _SKIPPED_BLOCK:
+        if base in SKIPPED_BLOCK:
             return _TensorPlan(name, (), None, False, None, False)
         prefix = f"model.layers.{match['layer']}."
         if expert is not None:  # legacy per-expert tensor
-            template = self._family.expert_names.get(_LEGACY_EXPERT_BASES.get(base, ""))
+            template = self._family.expert_names.get(LEGACY_EXPERT_BASES.get(base, ""))
             if template is None:
                 return None
             hf_name = f"{prefix}{template.format(e=int(expert))}.{kind}"
