@@ -18,6 +18,8 @@ Layout conventions (from the GGUF spec and `gguf.GGUFReader`):
   rotary pairs instead of HF's rotate-half halves); `iter_tensors` undoes it. Source:
   llama.cpp `convert_hf_to_gguf.py`, `LlamaModel.permute`. The `qwen2`, `qwen2moe`,
   `qwen3moe` and `olmoe` converters do not permute (their llama.cpp rope type is NEOX).
+- `deepseek2` (DeepSeek-V2 and -V3) is not permuted either; its MLA metadata, V2/V3 routing
+  and the split `attn_k_b`/`attn_v_b` form of kv_b_proj are read by `gguf_deepseek2`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import gguf
 import numpy as np
 import torch
 
+from specmoe.loader.gguf_deepseek2 import deepseek2_config, merge_kv_b
 from specmoe.loader.gguf_names import (
     FAMILIES,
     GLOBAL_NAMES,
@@ -43,7 +46,8 @@ from specmoe.loader.gguf_names import (
 
 # Values of `general.architecture` this module reads. Mixtral-style MoE GGUFs use `llama`
 # with `llama.expert_count` > 0.
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "olmoe")
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "olmoe", "deepseek2")
 
 _GGUF_MAGIC = b"GGUF"
 
@@ -61,6 +65,7 @@ class _TensorPlan:
     is_stacked: bool  # [num_experts, out, in] -> num_experts tensors
     expert_index: int | None  # legacy per-expert tensor: its expert
     is_row_vector: bool  # [hidden] -> [1, hidden] (shared_expert_gate)
+    kv_b_parts: tuple[str, str] | None = None  # MLA: merge these attn_k_b, attn_v_b tensors
 
 
 class GGUFCheckpoint:
@@ -73,7 +78,8 @@ class GGUFCheckpoint:
         FileNotFoundError: `path` does not exist.
         ValueError: `path` is not a regular file or not a readable GGUF file; its
             `general.architecture` is missing or not in `SUPPORTED_ARCHITECTURES`; or it holds
-            a tensor this module cannot name in HuggingFace terms (all such names are listed).
+            a tensor this module cannot name in HuggingFace terms (all such names are listed),
+            or (`deepseek2`) a layer's `attn_k_b` without its `attn_v_b` or the reverse.
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -122,12 +128,16 @@ class GGUFCheckpoint:
         """A HuggingFace `config.json`-style dict (JSON-serialisable) built from the metadata.
 
         Raises:
-            ValueError: a required metadata key is missing, or the rope scaling type is
-                neither `linear` nor `yarn`.
+            ValueError: a required metadata key is missing (the message names it), the rope
+                scaling type is neither `linear` nor `yarn`, or (`deepseek2`) the expert
+                gating function is neither softmax nor sigmoid.
         """
         config = self._base_config()
         config.update(self._rope_config())
-        config.update(self._moe_config())
+        if self.architecture == "deepseek2":
+            config.update(deepseek2_config(str(self.path), self._arch_key, self._required, config.get("rope_scaling")))
+        else:
+            config.update(self._moe_config())
         config.update(self._token_id_config())
         return config
 
@@ -149,7 +159,7 @@ class GGUFCheckpoint:
             "rms_norm_eps": self._arch_key("attention.layer_norm_rms_epsilon", 1e-6),
             "max_position_embeddings": self._arch_key("context_length", 2048),
             "tie_word_embeddings": "output.weight" not in self._tensors,
-            "attention_bias": is_qwen2 or "blk.0.attn_q.bias" in self._tensors,
+            "attention_bias": is_qwen2 or any(f"blk.0.{b}.bias" in self._tensors for b in ("attn_q", "attn_kv_a_mqa")),
         }
 
     def _required(self, suffix: str) -> Any:
@@ -283,11 +293,28 @@ class GGUFCheckpoint:
             num_experts = int(self._tensors[name].shape[-1])  # GGUF [in, out, num_experts]
             hf_names = tuple(f"{prefix}{template.format(e=e)}.{kind}" for e in range(num_experts))
             return _TensorPlan(name, hf_names, None, True, None, False)
+        if self._family.has_split_kv_b and base in ("attn_k_b", "attn_v_b"):
+            return self._plan_split_kv_b(name, base, match["layer"], prefix)
+        if (whole_name := (self._family.whole_names or {}).get(base)) is not None:
+            return _TensorPlan(name, (prefix + whole_name,), None, False, None, False)
         if (hf_base := self._family.block_names.get(base)) is None:
             return None
         return _TensorPlan(
             name, (f"{prefix}{hf_base}.{kind}",), self._num_rope_heads(base), False, None, base == "ffn_gate_inp_shexp"
         )
+
+    def _plan_split_kv_b(self, name: str, base: str, layer: str, prefix: str) -> _TensorPlan:
+        """kv_b_proj from attn_k_b + attn_v_b, planned on attn_k_b; nothing from attn_v_b, or
+        from either when the file also has attn_kv_b (which then gives kv_b_proj)."""
+        k_b, v_b = f"blk.{layer}.attn_k_b.weight", f"blk.{layer}.attn_v_b.weight"
+        partner = v_b if base == "attn_k_b" else k_b
+        if f"blk.{layer}.attn_kv_b.weight" in self._tensors:
+            return _TensorPlan(name, (), None, False, None, False)
+        if partner not in self._tensors:
+            raise ValueError(f"{self.path}: {name} without {partner}: cannot rebuild kv_b_proj")
+        if base == "attn_v_b":
+            return _TensorPlan(name, (), None, False, None, False)
+        return _TensorPlan(name, (f"{prefix}self_attn.kv_b_proj.weight",), None, False, None, False, (k_b, v_b))
 
     def _num_rope_heads(self, base: str) -> int | None:
         if not self._family.is_rope_permuted or base not in ("attn_q", "attn_k"):
@@ -306,14 +333,20 @@ class GGUFCheckpoint:
         embeddings [vocab_size, hidden_size], router `gate` [num_experts, hidden_size],
         `shared_expert_gate` [1, hidden_size]; stacked experts become `num_experts` separate
         (non-aliasing) [out, in] tensors. For arch `llama`, q_proj/k_proj rows are returned in
-        HF order (llama.cpp's `LlamaModel.permute` undone).
+        HF order (llama.cpp's `LlamaModel.permute` undone). For `deepseek2`, kv_b_proj
+        [H * (qk_nope + v), kv_lora_rank] is rebuilt from attn_k_b and attn_v_b when the file
+        splits it, and the V3 router's e_score_correction_bias is [num_experts].
 
         Raises:
             NotImplementedError: from `gguf.quants.dequantize` for a quantisation type the
                 `gguf` package cannot dequantise.
+            ValueError: (`deepseek2`) attn_k_b and attn_v_b shapes that do not split one kv_b.
         """
         for plan in self._plans:
-            array = _dequantize(self._tensors[plan.gguf_name])  # float32, numpy order
+            if plan.kv_b_parts is not None:
+                array = merge_kv_b(*(_dequantize(self._tensors[part]) for part in plan.kv_b_parts))
+            else:
+                array = _dequantize(self._tensors[plan.gguf_name])  # float32, numpy order
             if plan.num_rope_heads is not None:
                 array = undo_llama_rope_permute(array, plan.num_rope_heads)
             if plan.is_row_vector and array.ndim == 1:

@@ -57,6 +57,32 @@ _MIXTRAL_EXPERTS = {
 # Old llama.cpp Mixtral files store one tensor per expert: `blk.{i}.ffn_gate.{e}.weight`.
 LEGACY_EXPERT_BASES = {"ffn_gate": "ffn_gate_exps", "ffn_up": "ffn_up_exps", "ffn_down": "ffn_down_exps"}
 
+# DeepSeek-V2/V3 (llama.cpp arch `deepseek2`, converter `DeepseekV2Model`, no q/k row
+# permutation): Multi-head Latent Attention, dense first layers, shared experts (plural, no
+# gate). kv_b_proj is `attn_kv_b` in older files; newer ones split it into `attn_k_b` and
+# `attn_v_b` (merged back by `gguf_deepseek2.merge_kv_b`).
+_MLA = {
+    "attn_q": "self_attn.q_proj",  # without a query LoRA (DeepSeek-V2-Lite)
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_SHARED_EXPERTS = {
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
+# DeepSeek-V3's router score-correction bias: `blk.{i}.exp_probs_b.bias` in GGUF, a buffer
+# with a whole name (no .weight/.bias) in HF.
+_SCORE_BIAS = {"exp_probs_b": "mlp.gate.e_score_correction_bias"}
+
+
 @dataclass(frozen=True, slots=True)
 class Family:
     """How one model family maps from GGUF to HuggingFace."""
@@ -66,6 +92,8 @@ class Family:
     block_names: dict[str, str]
     expert_names: dict[str, str]
     is_rope_permuted: bool  # llama.cpp permuted q/k rows (LlamaModel.permute)
+    whole_names: dict[str, str] | None = None  # block base -> whole HF name (no .weight/.bias)
+    has_split_kv_b: bool = False  # MLA kv_b_proj may come as attn_k_b + attn_v_b
 
 
 FAMILIES: dict[str, Family] = {
@@ -80,4 +108,9 @@ FAMILIES: dict[str, Family] = {
         "Qwen3MoeForCausalLM", "qwen3_moe", _ATTENTION | _QK_NORM | _DENSE_MLP | _ROUTER, _EXPERTS, False
     ),
     "olmoe": Family("OlmoeForCausalLM", "olmoe", _ATTENTION | _QK_NORM | _ROUTER, _EXPERTS, False),
+    # DeepSeek-V3 files are `deepseek2` too: `gguf_deepseek2.deepseek2_config` tells them apart
+    "deepseek2": Family(
+        "DeepseekV2ForCausalLM", "deepseek_v2", _MLA | _DENSE_MLP | _ROUTER | _SHARED_EXPERTS, _EXPERTS, False,
+        whole_names=_SCORE_BIAS, has_split_kv_b=True,
+    ),
 }
