@@ -18,6 +18,8 @@ Layout conventions (from the GGUF spec and `gguf.GGUFReader`):
   rotary pairs instead of HF's rotate-half halves); `iter_tensors` undoes it. Source:
   llama.cpp `convert_hf_to_gguf.py`, `LlamaModel.permute`. The `qwen2`, `qwen2moe`,
   `qwen3moe` and `olmoe` converters do not permute (their llama.cpp rope type is NEOX).
+- `deepseek2` (DeepSeek-V2 and -V3) is not permuted either; its MLA metadata, V2/V3 routing
+  and the split `attn_k_b`/`attn_v_b` form of kv_b_proj are read by `gguf_deepseek2`.
 """
 
 from __future__ import annotations
@@ -33,87 +35,24 @@ import gguf
 import numpy as np
 import torch
 
+from specmoe.loader.gguf_deepseek2 import deepseek2_config, merge_kv_b
+from specmoe.loader.gguf_names import (
+    FAMILIES,
+    GLOBAL_NAMES,
+    LEGACY_EXPERT_BASES,
+    SKIPPED_BLOCK,
+    SKIPPED_GLOBAL,
+)
+
 # Values of `general.architecture` this module reads. Mixtral-style MoE GGUFs use `llama`
 # with `llama.expert_count` > 0.
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "olmoe")
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "olmoe", "deepseek2")
 
 _GGUF_MAGIC = b"GGUF"
 
-# Tensors llama.cpp writes that are not HuggingFace checkpoint weights; they are skipped.
-# - `rope_freqs`: per-dimension rotary frequency divisors [head_dim // 2] that the converter
-#   computes from `rope_scaling` (Llama 3.x "llama3" rope type); HF recomputes them from the
-#   config. It is exposed as `GGUFCheckpoint.rope_freq_factors` since the GGUF metadata does
-#   not keep the llama3 rope_scaling parameters.
-# - `blk.{i}.attn_rot_embd`: the rotary `inv_freq` buffer of old converters, recomputed by HF.
-_SKIPPED_GLOBAL = frozenset({"rope_freqs.weight"})
-_SKIPPED_BLOCK = frozenset({"attn_rot_embd"})
-
-_GLOBAL_NAMES: dict[str, str] = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-
-# GGUF block tensor base name -> HF name under `model.layers.{i}.` (without .weight/.bias).
-_ATTENTION = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_QK_NORM = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-_DENSE_MLP = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-_ROUTER = {"ffn_gate_inp": "mlp.gate"}
-_SHARED_EXPERT = {
-    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
-    "ffn_up_shexp": "mlp.shared_expert.up_proj",
-    "ffn_down_shexp": "mlp.shared_expert.down_proj",
-    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
-}
-# Stacked experts [num_experts, out, in] -> HF per-expert name template.
-_EXPERTS = {
-    "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
-    "ffn_up_exps": "mlp.experts.{e}.up_proj",
-    "ffn_down_exps": "mlp.experts.{e}.down_proj",
-}
-_MIXTRAL_ROUTER = {"ffn_gate_inp": "block_sparse_moe.gate"}
-_MIXTRAL_EXPERTS = {
-    "ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
-    "ffn_up_exps": "block_sparse_moe.experts.{e}.w3",
-    "ffn_down_exps": "block_sparse_moe.experts.{e}.w2",
-}
-# Old llama.cpp Mixtral files store one tensor per expert: `blk.{i}.ffn_gate.{e}.weight`.
-_LEGACY_EXPERT_BASES = {"ffn_gate": "ffn_gate_exps", "ffn_up": "ffn_up_exps", "ffn_down": "ffn_down_exps"}
-
 _BLOCK_TENSOR = re.compile(r"blk\.(?P<layer>\d+)\.(?P<base>\w+?)(?:\.(?P<expert>\d+))?\.(?P<kind>weight|bias)")
 
-
-@dataclass(frozen=True, slots=True)
-class _Family:
-    """How one model family maps from GGUF to HuggingFace."""
-
-    hf_architecture: str
-    model_type: str
-    block_names: dict[str, str]
-    expert_names: dict[str, str]
-    is_rope_permuted: bool  # llama.cpp permuted q/k rows (LlamaModel.permute)
-
-
-_FAMILIES: dict[str, _Family] = {
-    "llama": _Family("LlamaForCausalLM", "llama", _ATTENTION | _DENSE_MLP, {}, True),
-    "mixtral": _Family("MixtralForCausalLM", "mixtral", _ATTENTION | _MIXTRAL_ROUTER, _MIXTRAL_EXPERTS, True),
-    "qwen2": _Family("Qwen2ForCausalLM", "qwen2", _ATTENTION | _DENSE_MLP, {}, False),
-    "qwen2moe": _Family(
-        "Qwen2MoeForCausalLM", "qwen2_moe", _ATTENTION | _DENSE_MLP | _ROUTER | _SHARED_EXPERT, _EXPERTS, False
-    ),
-    "qwen3": _Family("Qwen3ForCausalLM", "qwen3", _ATTENTION | _QK_NORM | _DENSE_MLP, {}, False),
-    "qwen3moe": _Family(
-        "Qwen3MoeForCausalLM", "qwen3_moe", _ATTENTION | _QK_NORM | _DENSE_MLP | _ROUTER, _EXPERTS, False
-    ),
-    "olmoe": _Family("OlmoeForCausalLM", "olmoe", _ATTENTION | _QK_NORM | _ROUTER, _EXPERTS, False),
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +65,7 @@ class _TensorPlan:
     is_stacked: bool  # [num_experts, out, in] -> num_experts tensors
     expert_index: int | None  # legacy per-expert tensor: its expert
     is_row_vector: bool  # [hidden] -> [1, hidden] (shared_expert_gate)
+    kv_b_parts: tuple[str, str] | None = None  # MLA: merge these attn_k_b, attn_v_b tensors
 
 
 class GGUFCheckpoint:
@@ -138,7 +78,8 @@ class GGUFCheckpoint:
         FileNotFoundError: `path` does not exist.
         ValueError: `path` is not a regular file or not a readable GGUF file; its
             `general.architecture` is missing or not in `SUPPORTED_ARCHITECTURES`; or it holds
-            a tensor this module cannot name in HuggingFace terms (all such names are listed).
+            a tensor this module cannot name in HuggingFace terms (all such names are listed),
+            or (`deepseek2`) a layer's `attn_k_b` without its `attn_v_b` or the reverse.
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -146,7 +87,7 @@ class GGUFCheckpoint:
         self._reader = _open_reader(self.path)
         self._tensors = {t.name: t for t in self._reader.tensors}
         self.architecture = self._architecture()
-        self._family = _FAMILIES[self._family_name()]
+        self._family = FAMILIES[self._family_name()]
         self._plans = self._build_plans()
 
     # ---------------------------------------------------------------- metadata
@@ -187,12 +128,16 @@ class GGUFCheckpoint:
         """A HuggingFace `config.json`-style dict (JSON-serialisable) built from the metadata.
 
         Raises:
-            ValueError: a required metadata key is missing, or the rope scaling type is
-                neither `linear` nor `yarn`.
+            ValueError: a required metadata key is missing (the message names it), the rope
+                scaling type is neither `linear` nor `yarn`, or (`deepseek2`) the expert
+                gating function is neither softmax nor sigmoid.
         """
         config = self._base_config()
         config.update(self._rope_config())
-        config.update(self._moe_config())
+        if self.architecture == "deepseek2":
+            config.update(deepseek2_config(str(self.path), self._arch_key, self._required, config.get("rope_scaling")))
+        else:
+            config.update(self._moe_config())
         config.update(self._token_id_config())
         return config
 
@@ -214,7 +159,7 @@ class GGUFCheckpoint:
             "rms_norm_eps": self._arch_key("attention.layer_norm_rms_epsilon", 1e-6),
             "max_position_embeddings": self._arch_key("context_length", 2048),
             "tie_word_embeddings": "output.weight" not in self._tensors,
-            "attention_bias": is_qwen2 or "blk.0.attn_q.bias" in self._tensors,
+            "attention_bias": is_qwen2 or any(f"blk.0.{b}.bias" in self._tensors for b in ("attn_q", "attn_kv_a_mqa")),
         }
 
     def _required(self, suffix: str) -> Any:
@@ -310,7 +255,7 @@ class GGUFCheckpoint:
         plans: list[_TensorPlan] = []
         unknown: list[str] = []
         for name in self._tensors:
-            if name in _SKIPPED_GLOBAL:
+            if name in SKIPPED_GLOBAL:
                 continue
             plan = self._plan_global(name) or self._plan_block(name)
             if plan is None:
@@ -325,7 +270,7 @@ class GGUFCheckpoint:
         return plans
 
     def _plan_global(self, name: str) -> _TensorPlan | None:
-        hf_name = _GLOBAL_NAMES.get(name)
+        hf_name = GLOBAL_NAMES.get(name)
         if hf_name is None:
             return None
         return _TensorPlan(name, (hf_name,), None, False, None, False)
@@ -335,11 +280,11 @@ class GGUFCheckpoint:
         if match is None:
             return None
         base, kind, expert = match["base"], match["kind"], match["expert"]
-        if base in _SKIPPED_BLOCK:
+        if base in SKIPPED_BLOCK:
             return _TensorPlan(name, (), None, False, None, False)
         prefix = f"model.layers.{match['layer']}."
         if expert is not None:  # legacy per-expert tensor
-            template = self._family.expert_names.get(_LEGACY_EXPERT_BASES.get(base, ""))
+            template = self._family.expert_names.get(LEGACY_EXPERT_BASES.get(base, ""))
             if template is None:
                 return None
             hf_name = f"{prefix}{template.format(e=int(expert))}.{kind}"
@@ -348,11 +293,28 @@ class GGUFCheckpoint:
             num_experts = int(self._tensors[name].shape[-1])  # GGUF [in, out, num_experts]
             hf_names = tuple(f"{prefix}{template.format(e=e)}.{kind}" for e in range(num_experts))
             return _TensorPlan(name, hf_names, None, True, None, False)
+        if self._family.has_split_kv_b and base in ("attn_k_b", "attn_v_b"):
+            return self._plan_split_kv_b(name, base, match["layer"], prefix)
+        if (whole_name := (self._family.whole_names or {}).get(base)) is not None:
+            return _TensorPlan(name, (prefix + whole_name,), None, False, None, False)
         if (hf_base := self._family.block_names.get(base)) is None:
             return None
         return _TensorPlan(
             name, (f"{prefix}{hf_base}.{kind}",), self._num_rope_heads(base), False, None, base == "ffn_gate_inp_shexp"
         )
+
+    def _plan_split_kv_b(self, name: str, base: str, layer: str, prefix: str) -> _TensorPlan:
+        """kv_b_proj from attn_k_b + attn_v_b, planned on attn_k_b; nothing from attn_v_b, or
+        from either when the file also has attn_kv_b (which then gives kv_b_proj)."""
+        k_b, v_b = f"blk.{layer}.attn_k_b.weight", f"blk.{layer}.attn_v_b.weight"
+        partner = v_b if base == "attn_k_b" else k_b
+        if f"blk.{layer}.attn_kv_b.weight" in self._tensors:
+            return _TensorPlan(name, (), None, False, None, False)
+        if partner not in self._tensors:
+            raise ValueError(f"{self.path}: {name} without {partner}: cannot rebuild kv_b_proj")
+        if base == "attn_v_b":
+            return _TensorPlan(name, (), None, False, None, False)
+        return _TensorPlan(name, (f"{prefix}self_attn.kv_b_proj.weight",), None, False, None, False, (k_b, v_b))
 
     def _num_rope_heads(self, base: str) -> int | None:
         if not self._family.is_rope_permuted or base not in ("attn_q", "attn_k"):
@@ -371,14 +333,20 @@ class GGUFCheckpoint:
         embeddings [vocab_size, hidden_size], router `gate` [num_experts, hidden_size],
         `shared_expert_gate` [1, hidden_size]; stacked experts become `num_experts` separate
         (non-aliasing) [out, in] tensors. For arch `llama`, q_proj/k_proj rows are returned in
-        HF order (llama.cpp's `LlamaModel.permute` undone).
+        HF order (llama.cpp's `LlamaModel.permute` undone). For `deepseek2`, kv_b_proj
+        [H * (qk_nope + v), kv_lora_rank] is rebuilt from attn_k_b and attn_v_b when the file
+        splits it, and the V3 router's e_score_correction_bias is [num_experts].
 
         Raises:
             NotImplementedError: from `gguf.quants.dequantize` for a quantisation type the
                 `gguf` package cannot dequantise.
+            ValueError: (`deepseek2`) attn_k_b and attn_v_b shapes that do not split one kv_b.
         """
         for plan in self._plans:
-            array = _dequantize(self._tensors[plan.gguf_name])  # float32, numpy order
+            if plan.kv_b_parts is not None:
+                array = merge_kv_b(*(_dequantize(self._tensors[part]) for part in plan.kv_b_parts))
+            else:
+                array = _dequantize(self._tensors[plan.gguf_name])  # float32, numpy order
             if plan.num_rope_heads is not None:
                 array = undo_llama_rope_permute(array, plan.num_rope_heads)
             if plan.is_row_vector and array.ndim == 1:

@@ -151,7 +151,7 @@ def write_gguf_from_hf(
     writer = gguf.GGUFWriter(path, GGUF_ARCH[arch])
     _add_hparams(writer, config, arch)
     if with_tokenizer:
-        _add_tokenizer(writer, config.vocab_size)
+        add_tiny_tokenizer(writer, config.vocab_size)
     tensors = gguf_tensors_from_hf(hf_checkpoint_state_dict(model), config, arch)
     tensors.update(extra_tensors or {})
     for name, array in tensors.items():
@@ -220,7 +220,8 @@ def tiny_tokens(vocab_size: int) -> tuple[list[str], list[int], list[str]]:
     return tokens, types, ["H e", "l l", "ll o"]
 
 
-def _add_tokenizer(writer: gguf.GGUFWriter, vocab_size: int) -> None:
+def add_tiny_tokenizer(writer: gguf.GGUFWriter, vocab_size: int) -> None:
+    """Write `tiny_tokens(vocab_size)` as a byte-level BPE ("gpt2") tokenizer, bos = eos = 0."""
     tokens, types, merges = tiny_tokens(vocab_size)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
