@@ -171,6 +171,10 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
     Preset("moe-128x8", "MoE, N=128 experts, top-8 (Qwen3-MoE-like)", 128, 8, EXPERT_WIDTH // 128),
     Preset("moe-64x8", "MoE, N=64 experts, top-8 (OLMoE-like)", 64, 8, EXPERT_WIDTH // 64),
     Preset("moe-8x2", "MoE, N=8 experts, top-2 (Mixtral-like)", 8, 2, EXPERT_WIDTH // 8),
+    # deepseek-256x8's sparsity alone (its attention, routing and layers as the others'):
+    # separates what k/N = 3.1% does to verification from what MLA and the shared expert do
+    Preset("moe-256x8", "MoE, N=256 experts, top-8 (deepseek-256x8's sparsity, plain "
+           "attention)", 256, 8, EXPERT_WIDTH // 256),
     # As many MoE layers and routed-expert weights as the others, plus V3's dense first layer
     # (so one layer more, and its weights at least theirs: the cache rule holds as well).
     Preset("deepseek-256x8", "MoE, N=256 experts, top-8, 1 shared expert, MLA, dense first "

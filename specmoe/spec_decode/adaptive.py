@@ -41,6 +41,7 @@ second.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -251,7 +252,8 @@ class AdaptivePolicy:
         self._since_probe = 0  # steps with a request held at K = 0 since the last probe
         self.probe_interval = settings.probe_every  # grows while probes find nothing
         self._probed = False  # the previous step probed
-        self._miss_cache: tuple[float, np.ndarray | None] | None = None
+        # (overlap, log-miss of windows of 1..max_k + 1 tokens as an array and a list)
+        self._miss_cache: tuple[float, np.ndarray, list[float]] | None = None
         self._off: tuple[tuple[str, ...], int] | None = None  # (batch, steps) all at K = 0
         self.predicted_step_s: float | None = None
 
@@ -279,7 +281,10 @@ class AdaptivePolicy:
         """U / N of a step's windows on a MoE target (0 on a dense one)."""
         if not self.s.is_moe:
             return 0.0
-        return unique_fraction(windows, self.s.num_experts, self.s.top_k, self.overlap)
+        miss = self._miss()
+        if max(windows) > len(miss):  # a prompt chunk: beyond the cached window lengths
+            return unique_fraction(windows, self.s.num_experts, self.s.top_k, self.overlap)
+        return 1.0 - math.exp(sum(self._miss_cache[2][t - 1] for t in windows))
 
     def observe_draft(self, depth: int, seconds: float) -> None:
         if depth > 0:
@@ -292,19 +297,21 @@ class AdaptivePolicy:
         step computes without drafts (the predicted time adds one per draft)."""
         if not request_ids:
             return {}
-        caps_a = np.minimum(np.asarray(caps, dtype=np.int64), self.s.max_k)
         if self.step_time.coef is None:  # not calibrated yet: the requests' own K
-            return dict(zip(request_ids, caps_a.tolist()))
+            return {r: min(c, self.s.max_k) for r, c in zip(request_ids, caps)}
         batch, off = tuple(request_ids), self._off
         if (off is not None and off[0] == batch and off[1] < self.s.recheck_every
                 and not self._probed):
+            # held off: the common step while speculation does not pay, kept to plain
+            # Python (a numpy call costs microseconds, a small target's step a millisecond)
             self._off = (batch, off[1] + 1)
             self.predicted_step_s = self._predict_off(base_rows, len(batch))
-            return self._keep(request_ids, np.zeros(len(batch), dtype=np.int64), caps_a)
+            return self._keep(request_ids, [0] * len(batch), caps)
+        caps_a = np.minimum(np.asarray(caps, dtype=np.int64), self.s.max_k)
         ks = self._solve(request_ids, caps_a, base_rows)
         self._off = (batch, 1) if not ks.any() else None
         self._back_off(bool(ks.any()))
-        return self._keep(request_ids, ks, caps_a)
+        return self._keep(request_ids, ks.tolist(), caps)
 
     def _back_off(self, speculating: bool) -> None:
         """Double the probe interval when the solve after a probe keeps every request at
@@ -315,10 +322,10 @@ class AdaptivePolicy:
             self.probe_interval = min(2 * self.probe_interval, self.s.probe_every_max)
         self._probed = False
 
-    def _keep(self, request_ids: list[str], ks: np.ndarray, caps: np.ndarray
+    def _keep(self, request_ids: list[str], ks: list[int], caps: list[int]
               ) -> dict[str, int]:
         """The chosen Ks with this step's probes, remembered for the hysteresis."""
-        self._previous = dict(zip(request_ids, self._probe(ks, caps).tolist()))
+        self._previous = dict(zip(request_ids, self._probe(ks, caps)))
         return dict(self._previous)
 
     def _solve(self, request_ids: list[str], caps_a: np.ndarray, base_rows: int
@@ -338,8 +345,7 @@ class AdaptivePolicy:
 
     def _predict_off(self, rows: int, batch_size: int) -> float:
         """The forward's seconds with no drafts, from the last fit (cheap: every step)."""
-        miss = self._miss()
-        frac = 0.0 if miss is None else 1.0 - float(np.exp(batch_size * miss[0]))
+        frac = self.unique_fraction([1] * batch_size) if self.s.is_moe else 0.0
         return self.step_time.predict_one(rows, frac)
 
     def _step_fn(self, base_rows: int, refit: bool = True):
@@ -354,16 +360,16 @@ class AdaptivePolicy:
         if not self.s.is_moe:
             return None
         if self._miss_cache is None or self._miss_cache[0] != self.overlap:
-            self._miss_cache = (self.overlap, miss_log(
-                np.arange(1, self.s.max_k + 2), self.s.num_experts, self.s.top_k,
-                self.overlap))
+            miss = miss_log(np.arange(1, self.s.max_k + 2), self.s.num_experts,
+                            self.s.top_k, self.overlap)
+            self._miss_cache = (self.overlap, miss, miss.tolist())
         return self._miss_cache[1]
 
-    def _probe(self, ks: np.ndarray, caps: np.ndarray) -> np.ndarray:
+    def _probe(self, ks: list[int], caps: list[int]) -> list[int]:
         """Every `probe_interval` steps with a request held at K = 0, all of them draft
         one."""
-        idle = (ks == 0) & (caps > 0)
-        if not idle.any():
+        idle = [k == 0 and c > 0 for k, c in zip(ks, caps)]
+        if not any(idle):
             self._since_probe = 0
             return ks
         self._since_probe += 1
@@ -372,7 +378,7 @@ class AdaptivePolicy:
         self._since_probe = 0
         self._probed = True
         self.predicted_step_s = None  # the prediction was for the Ks without the probes
-        return np.where(idle, 1, ks)
+        return [1 if i else k for k, i in zip(ks, idle)]
 
     def forget(self, request_id: str) -> None:
         self.acceptance.forget(request_id)
