@@ -134,6 +134,7 @@ class StepTimeModel:
         self.coef: np.ndarray | None = None
         self._observed = 0
         self._fitted_at = 0  # steps observed at the last fit
+        self._floor = 0.0  # least seconds a prediction may give (set by each fit)
 
     def observe(self, rows: int, seconds: float, unique_frac: float = 0.0) -> None:
         """Record a step (the first fit as soon as `min_steps` are in; later ones when a
@@ -155,6 +156,9 @@ class StepTimeModel:
         # relative error: a long prefill step must not outweigh a hundred decode steps
         self.coef, _ = nnls(feats / secs[:, None], np.ones_like(secs))
         self._fitted_at = self._observed
+        # a fit on large steps alone may put every weight on the hinges, predicting 0 s
+        # for a few rows; no step runs faster than half the fastest one seen
+        self._floor = 0.5 * float(secs.min())
 
     def predict_one(self, rows: int, unique_frac: float = 0.0) -> float | None:
         """`predict` for one step from the last fit, in plain floats (no refit)."""
@@ -163,7 +167,7 @@ class StepTimeModel:
             return None
         seconds = c[0] + c[1] * rows + sum(
             cj * max(0.0, rows - knot) for cj, knot in zip(c[2:], KNOTS))
-        return float(seconds + (c[-1] * unique_frac if self.moe else 0.0))
+        return max(self._floor, float(seconds + (c[-1] * unique_frac if self.moe else 0.0)))
 
     def predict(self, rows, unique_frac=0.0, refit: bool = True):
         """Seconds at `rows` (a number or an array) and, on a MoE target, the windows'
@@ -174,7 +178,8 @@ class StepTimeModel:
             self.refresh()
         if self.coef is None:
             return None
-        return _row_features(rows, unique_frac if self.moe else None) @ self.coef
+        return np.maximum(_row_features(rows, unique_frac if self.moe else None) @ self.coef,
+                          self._floor)
 
 
 def choose_ks(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float,
@@ -286,8 +291,13 @@ class AdaptivePolicy:
             return unique_fraction(windows, self.s.num_experts, self.s.top_k, self.overlap)
         return 1.0 - math.exp(sum(self._miss_cache[2][t - 1] for t in windows))
 
-    def observe_draft(self, depth: int, seconds: float) -> None:
-        if depth > 0:
+    def observe_draft(self, depth: int, seconds: float, catch_up: int = 0) -> None:
+        """A drafting call of `depth` tokens per request that took `seconds`; `catch_up`:
+        the most context tokens a request's draft state took in first. Only steady-state
+        calls (catch-up of at most one verification's tokens, max_k + 1) count: the
+        prefill of a new request or of one back from K = 0 is a one-time cost, and counted
+        per depth it would make drafting look hundreds of times dearer than it is."""
+        if depth > 0 and catch_up <= self.s.max_k + 1:
             self._draft_obs += 1
             self.draft_s = _running_mean(self.draft_s, self._draft_obs, seconds / depth)
 

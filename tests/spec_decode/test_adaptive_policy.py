@@ -77,6 +77,19 @@ def test_step_time_model_is_flat_where_memory_bound_and_steep_where_compute_boun
     assert m.predict(5) - m.predict(1) < 0.1 * m.predict(1)
 
 
+def test_step_time_is_never_predicted_as_zero():
+    """Steps of 12-15 rows only: the fit may weigh the hinge alone, which is 0 below 8
+    rows; a 1-row step is then predicted at no less than half the fastest step seen (a
+    zero once divided the policy's tokens per second and failed the engine's step)."""
+    m = StepTimeModel(window=64, min_steps=4)
+    for rows, secs in [(15, 0.018), (12, 0.010), (12, 0.011), (12, 0.009), (12, 0.0093)]:
+        m.observe(rows, secs)
+    m.coef = np.array([0.0, 0.0, 0.002, 0.0, 0.0])  # the degenerate fit seen in a test
+    assert m.predict(1) == pytest.approx(0.5 * 0.009)
+    assert m.predict_one(1) == pytest.approx(0.5 * 0.009)
+    assert m.predict(15) == pytest.approx(0.014)
+
+
 def _calibrated(policy: AdaptivePolicy, c0: float, c1: float) -> None:
     for rows in [1, 2, 4, 8, 16, 32, 64, 128]:
         policy.observe_step(rows, c0 + c1 * rows)
@@ -94,6 +107,20 @@ def test_policy_uses_own_k_until_calibrated_then_chooses_and_holds():
     # a small change of the estimate does not flip the choice (hysteresis) ...
     p.observe_verified("a", 4, 3)
     assert p.choose(["a"], [4], 1) == {"a": 4}
+
+
+def test_draft_cost_counts_steady_drafting_not_the_catch_up_of_a_context():
+    """A draft model's first call on a request, or on one back from K = 0, prefills the
+    context it has not seen: a one-time cost that, counted per draft depth, once made
+    drafting look so dear that the policy kept speculation off where K = 2 ran 1.4x."""
+    p = AdaptivePolicy(AdaptiveSettings(max_k=4))
+    p.observe_draft(4, 2.0, catch_up=400)   # the prompt's prefill
+    assert p.draft_s == 0.0
+    p.observe_draft(4, 0.040, catch_up=5)   # steady state: the last verification's tokens
+    p.observe_draft(2, 0.020, catch_up=1)
+    assert p.draft_s == pytest.approx(0.010)
+    p.observe_draft(1, 0.5, catch_up=64)    # a probe after 64 steps off
+    assert p.draft_s == pytest.approx(0.010)
 
 
 def test_requests_held_at_zero_are_reprobed():
