@@ -203,7 +203,10 @@ def choose_ks(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float,
     base_miss = b * miss[0]
     best_ks = np.zeros(b, dtype=np.int64)
     best_rate = b / float(step_s(np.zeros(1), np.full(1, base_miss))[0])
-    for depth in range(1, min(max_k, int(caps.max(initial=0))) + 1):
+    max_depth = min(max_k, int(caps.max(initial=0)))
+    if not _may_pay(gains, caps, b / best_rate, draft_s, max_depth, best_rate):
+        return best_ks, float(best_rate)
+    for depth in range(1, max_depth + 1):
         g = np.where(np.arange(depth)[None, :] < caps[:, None], gains[:, :depth], -np.inf)
         order = np.argsort(-g, axis=None, kind="stable")
         vals = g.reshape(-1)[order]
@@ -220,6 +223,19 @@ def choose_ks(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float,
             best_rate = rate
             best_ks = np.bincount(order[:n] // depth, minlength=b)
     return best_ks, float(best_rate)
+
+
+def _may_pay(gains: np.ndarray, caps: np.ndarray, plain_s: float, draft_s: float,
+             max_depth: int, plain_rate: float) -> bool:
+    """Whether any draft depth could beat no speculation: at depth D at most every
+    allowed draft up to D is accepted, and the step costs at least the plain step plus D
+    draft steps (the step time does not fall with more rows or experts). A cheap bound
+    that skips `choose_ks`'s search on the steps where speculation is hopeless."""
+    if max_depth < 1:
+        return False
+    allowed = np.where(np.arange(gains.shape[1])[None, :] < caps[:, None], gains, 0.0)
+    most = gains.shape[0] + np.cumsum(allowed.sum(axis=0))[:max_depth]
+    return bool(np.max(most / (plain_s + draft_s * np.arange(1, max_depth + 1))) > plain_rate)
 
 
 def predicted_rate(ks: np.ndarray, gains: np.ndarray, step_s, draft_s: float,

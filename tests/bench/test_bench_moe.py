@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from specmoe.analysis.presets import PRESETS as STUDY_PRESETS
 from specmoe.bench.moe import MoEBenchConfig, build_layer, prepare_backends
 from specmoe.bench.moe_accounting import (backend_stats, expert_bytes, layer_active_params,
                                          layer_bytes, layer_fixed_bytes, model_bytes,
@@ -27,8 +28,7 @@ from specmoe.models.decoder import DecoderModel
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # The study's MoE presets: name -> (N, k).
-PRESETS = {"moe-128x8": (128, 8), "moe-64x8": (64, 8), "moe-8x2": (8, 2),
-           "deepseek-256x8": (256, 8)}
+PRESETS = {n: (p.num_experts, p.top_k) for n, p in STUDY_PRESETS.items() if p.is_moe}
 NUM_TOKENS = [1, 9, 80]
 
 

@@ -37,6 +37,23 @@ def test_low_acceptance_or_compute_bound_drafts_nothing():
     assert ks.sum() == 0
 
 
+def test_hopeless_speculation_skips_the_search():
+    """Acceptance so low that even every draft accepted at no extra step cost loses to
+    the draft's own time: one prediction (the plain step), no search over depths."""
+    calls = []
+
+    def step(drafts, misses=None):
+        calls.append(1)
+        return _linear(0.010, 0.0, 4)(drafts)
+    ks, rate = choose_ks(_gains(0.01, 4), np.full(4, 8), step, 0.005)
+    assert ks.tolist() == [0, 0, 0, 0] and rate == pytest.approx(4 / 0.010)
+    assert len(calls) == 1
+    # with a free draft the bound cannot rule speculation out: the depths are searched
+    calls.clear()
+    ks, _ = choose_ks(_gains(0.01, 4), np.full(4, 8), step, 0.0)
+    assert len(calls) > 1
+
+
 def test_medium_case_takes_the_best_drafts_first_and_respects_caps():
     gains = np.stack([np.cumprod(np.full(8, 0.95)), np.cumprod(np.full(8, 0.3))])
     step = _linear(0.010, 0.0005, 2)
