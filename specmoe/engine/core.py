@@ -342,8 +342,7 @@ class EngineCore:
         draft_time = time.perf_counter() - t0
         self.stats.spec.draft_time_s += draft_time
         if self.policy is not None:
-            self.policy.observe_draft(max(ask.num_tokens for _, ask in asks), draft_time,
-                                      self.proposer.last_catch_up)
+            self.policy.observe_draft(max(ask.num_tokens for _, ask in asks), draft_time)
         for (req, _), proposal in zip(asks, proposals):
             if isinstance(proposal, Exception):
                 self._fail(req, proposal)

@@ -307,13 +307,13 @@ class AdaptivePolicy:
             return unique_fraction(windows, self.s.num_experts, self.s.top_k, self.overlap)
         return 1.0 - math.exp(sum(self._miss_cache[2][t - 1] for t in windows))
 
-    def observe_draft(self, depth: int, seconds: float, catch_up: int = 0) -> None:
-        """A drafting call of `depth` tokens per request that took `seconds`; `catch_up`:
-        the most context tokens a request's draft state took in first. Only steady-state
-        calls (catch-up of at most one verification's tokens, max_k + 1) count: the
-        prefill of a new request or of one back from K = 0 is a one-time cost, and counted
-        per depth it would make drafting look hundreds of times dearer than it is."""
-        if depth > 0 and catch_up <= self.s.max_k + 1:
+    def observe_draft(self, depth: int, seconds: float) -> None:
+        """A drafting call of `depth` tokens per request that took `seconds`, the draft
+        model's catch-up on context it had not seen included: a request that resumes
+        after K = 0 pays that catch-up, and a cost from steady calls alone underprices
+        resuming (it turns speculation back on where the catch-ups then outweigh the
+        gain). A model of the catch-up per request is the better fix (not yet here)."""
+        if depth > 0:
             self._draft_obs += 1
             self.draft_s = _running_mean(self.draft_s, self._draft_obs, seconds / depth)
 

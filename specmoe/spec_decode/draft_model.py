@@ -55,7 +55,6 @@ class DraftModelProposer:
         self.cache = runner.new_paged_cache(num_blocks, block_size)
         self.kv_cache = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self._cached_tokens: dict[str, list[int]] = {}  # tokens whose KV is in the cache
-        self.last_catch_up = 0
 
     def free(self, request_id: str) -> None:
         """Drop a request's draft KV cache blocks (no-op if it has none)."""
@@ -74,7 +73,6 @@ class DraftModelProposer:
             if seq is not None:
                 drafting.append(_Drafting(index, req, num_tokens, seq.block_ids, [], []))
                 inputs.append(seq)
-        self.last_catch_up = max((len(seq.token_ids) for seq in inputs), default=0)
         if drafting:
             self._draft(drafting, self.runner.execute(self.cache, inputs))
         for d in drafting:

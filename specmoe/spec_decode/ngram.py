@@ -50,8 +50,6 @@ class NgramProposer:
             raise ValueError(f"invalid n-gram range [{min_n}, {max_n}]: need 1 <= min <= max")
         self.min_n, self.max_n = min_n, max_n
 
-    last_catch_up = 0  # stateless: nothing to catch up on
-
     def propose(self, reqs: list[ProposeRequest]) -> list[DraftProposal]:
         """Each request's continuation by `find_ngram_continuation` (stateless)."""
         return [DraftProposal(find_ngram_continuation(r.context, self.min_n, self.max_n,

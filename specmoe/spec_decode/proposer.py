@@ -47,17 +47,9 @@ class ProposeRequest:
 
 class Proposer(Protocol):
     """Drafts tokens for a batch of requests; per-request state (e.g. a draft model's KV
-    cache) is created on a request's first proposal and dropped by `free`.
-
-    Attributes:
-        name: the method's name.
-        last_catch_up: the most tokens any request's state had to take in before drafting
-            in the last `propose` call (a draft model's prefill of the context it had not
-            seen; 0 for a stateless proposer), so drafting cost can be told from catch-up.
-    """
+    cache) is created on a request's first proposal and dropped by `free`."""
 
     name: str
-    last_catch_up: int
 
     def propose(self, reqs: list[ProposeRequest]) -> list[DraftProposal]:
         """Draft at most `r.num_tokens` tokens continuing `r.context` for each request, in

@@ -21,7 +21,6 @@ def test_adaptive_policy_measures_routing_overlap_on_a_moe_target():
     core = spec.engine
     assert core.policy.s.is_moe and core.policy.step_time.moe
     core.routing_sampler.every = 2
-    calls = _record_propose_calls(core)
     prompts = [[5 + i, 17, 42, 99, 7 + i] for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     expected = [o.token_ids for o in plain.generate(prompts, params)]
@@ -29,28 +28,9 @@ def test_adaptive_policy_measures_routing_overlap_on_a_moe_target():
     assert core.policy._overlap_obs > 0 and 0.0 <= core.policy.overlap <= 1.0
     assert all(type(b.stats) is NullExpertStats for b in moe_blocks(plain.target.model))
     assert core.stats.num_step_time_predictions > 0
-    # the drafting cost per depth comes from steady calls only, not the contexts' prefill
-    steady = [sec / depth for depth, catch_up, sec in calls if catch_up <= 5]
-    assert any(catch_up > 5 for _, catch_up, _ in calls) and steady
-    assert min(steady) <= core.policy.draft_s <= max(steady)
     n = plain.target.arch.moe.num_experts
     assert core.policy.unique_fraction([1]) == pytest.approx(
         plain.target.arch.moe.top_k / n)
-
-
-def _record_propose_calls(core) -> list[tuple[int, int, float]]:
-    """(depth, catch-up, seconds) of every proposer call from now on."""
-    import time
-    calls, propose = [], core.proposer.propose
-
-    def timed(reqs):
-        start = time.perf_counter()
-        out = propose(reqs)
-        calls.append((max(r.num_tokens for r in reqs), core.proposer.last_catch_up,
-                      time.perf_counter() - start))
-        return out
-    core.proposer.propose = timed
-    return calls
 
 
 def test_engines_from_one_llm_share_one_draft_copy_and_keep_their_own_caches():

@@ -126,20 +126,6 @@ def test_policy_uses_own_k_until_calibrated_then_chooses_and_holds():
     assert p.choose(["a"], [4], 1) == {"a": 4}
 
 
-def test_draft_cost_counts_steady_drafting_not_the_catch_up_of_a_context():
-    """A draft model's first call on a request, or on one back from K = 0, prefills the
-    context it has not seen: a one-time cost that, counted per draft depth, once made
-    drafting look so dear that the policy kept speculation off where K = 2 ran 1.4x."""
-    p = AdaptivePolicy(AdaptiveSettings(max_k=4))
-    p.observe_draft(4, 2.0, catch_up=400)   # the prompt's prefill
-    assert p.draft_s == 0.0
-    p.observe_draft(4, 0.040, catch_up=5)   # steady state: the last verification's tokens
-    p.observe_draft(2, 0.020, catch_up=1)
-    assert p.draft_s == pytest.approx(0.010)
-    p.observe_draft(1, 0.5, catch_up=64)    # a probe after 64 steps off
-    assert p.draft_s == pytest.approx(0.010)
-
-
 def test_requests_held_at_zero_are_reprobed():
     p = AdaptivePolicy(AdaptiveSettings(max_k=4, probe_every=3, probe_every_max=3))
     _calibrated(p, 0.0, 0.001)  # compute-bound: speculation never pays
