@@ -84,16 +84,6 @@ def sum_over_layers(counts: dict[int, list[int]]) -> list[int]:
     return [sum(col) for col in zip(*counts.values())]
 
 
-def default_prompt_texts(num_prompts: int) -> list[str]:
-    """`num_prompts` distinct questions, Spec-Bench's own tasks (its categories in turn) and
-    MT-Bench alternately (the in-repo prompt sets, `utils.data`)."""
-    from specmoe.bench.throughput import SPEC_BENCH_CATEGORIES, round_robin
-    from specmoe.utils.data import load_prompts
-    sets = [round_robin(load_prompts("spec_bench", categories=SPEC_BENCH_CATEGORIES),
-                        num_prompts), load_prompts("mt_bench", num_prompts)]
-    return [p.text for pair in zip(*sets) for p in pair][:num_prompts]
-
-
 def prompt_ids(llm, texts: list[str]) -> list[list[int]]:
     """Each text as one user message in the model's chat template (raw without one)."""
     from specmoe.bench.throughput import chat_ids

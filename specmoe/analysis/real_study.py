@@ -106,15 +106,9 @@ def token_windows(tokenizer, cfg: RealStudyConfig) -> list[list[int]]:
 def e2e_prompts(llm, cfg: RealStudyConfig) -> list[list[int]]:
     """max(e2e B) distinct chat prompts, Spec-Bench's own tasks (its categories in turn) and
     MT-Bench alternately, each question cut to `prompt_tokens` tokens, in the model's chat
-    template, as token ids (the same ids for every target of one tokenizer). Distinct:
-    identical requests would route identically and undercount the experts a MoE batch
-    touches."""
-    from specmoe.bench.throughput import SPEC_BENCH_CATEGORIES, chat_ids, round_robin
-    from specmoe.utils.data import load_prompts
-    n = max(cfg.e2e_batch_sizes)
-    sets = [round_robin(load_prompts("spec_bench", categories=SPEC_BENCH_CATEGORIES), n),
-            load_prompts("mt_bench", n)]
-    texts = [p.text for pair in zip(*sets) for p in pair][:n]
+    template, as token ids (the same ids for every target of one tokenizer)."""
+    from specmoe.bench.throughput import chat_ids, distinct_question_texts
+    texts = distinct_question_texts(max(cfg.e2e_batch_sizes))
     return [chat_ids(llm, _cut(llm.tokenizer, t, cfg.prompt_tokens)) for t in texts]
 
 

@@ -190,6 +190,15 @@ def round_robin(prompts: list, n: int) -> list:
     return out
 
 
+def distinct_question_texts(n: int) -> list[str]:
+    """n distinct questions, Spec-Bench's own tasks (its categories in turn) and MT-Bench
+    alternately (the in-repo prompt sets). Distinct: identical requests route identically,
+    which would undercount the experts a MoE batch touches."""
+    sets = [round_robin(load_prompts("spec_bench", categories=SPEC_BENCH_CATEGORIES), n),
+            load_prompts("mt_bench", n)]
+    return [p.text for pair in zip(*sets) for p in pair][:n]
+
+
 def _encode(llm, prompt) -> list[int]:
     if prompt.is_completion:
         return llm.tokenizer.encode(prompt.text, add_special_tokens=False)

@@ -78,11 +78,11 @@ def _from_metrics(args) -> tuple[dict, dict]:
 
 def _from_model(args) -> tuple[dict, dict]:
     from specmoe import LLM
-    from specmoe.analysis.expert_placement import (default_prompt_texts,
-                                                   measure_expert_load, prompt_ids)
+    from specmoe.analysis.expert_placement import measure_expert_load, prompt_ids
+    from specmoe.bench.throughput import distinct_question_texts
     from specmoe.entrypoints.advise_cli import read_prompts
     texts = (read_prompts(args.prompts) if args.prompts
-             else default_prompt_texts(args.num_prompts))
+             else distinct_question_texts(args.num_prompts))
     apply_threads(args)
     llm = LLM(args.model, dtype=args.dtype)
     room = max(1, llm.max_model_len - args.max_tokens)

@@ -302,10 +302,11 @@ class AdaptivePolicy:
         """U / N of a step's windows on a MoE target (0 on a dense one)."""
         if not self.s.is_moe:
             return 0.0
-        miss = self._miss()
+        self._miss()
+        miss = self._miss_cache[2]  # the same log-misses as a list: no numpy per step
         if max(windows) > len(miss):  # a prompt chunk: beyond the cached window lengths
             return unique_fraction(windows, self.s.num_experts, self.s.top_k, self.overlap)
-        return 1.0 - math.exp(sum(self._miss_cache[2][t - 1] for t in windows))
+        return 1.0 - math.exp(sum(miss[t - 1] for t in windows))
 
     def observe_draft(self, depth: int, seconds: float) -> None:
         """A drafting call of `depth` tokens per request that took `seconds`, the draft
