@@ -167,13 +167,19 @@ def write_gguf_from_hf(
     return tensors
 
 
-def _add_hparams(writer: gguf.GGUFWriter, config, arch: str) -> None:
+def add_core_hparams(writer: gguf.GGUFWriter, config, num_kv_heads: int) -> None:
+    """The metadata every llama.cpp architecture writes alike: depth, context, widths,
+    head counts (`num_kv_heads`: 1 for MLA's shared latent)."""
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_head_count_kv(num_kv_heads)
+
+
+def _add_hparams(writer: gguf.GGUFWriter, config, arch: str) -> None:
+    add_core_hparams(writer, config, config.num_key_value_heads)
     head_dim = getattr(config, "head_dim", None)
     if head_dim is not None and head_dim != config.hidden_size // config.num_attention_heads:
         writer.add_key_length(head_dim)

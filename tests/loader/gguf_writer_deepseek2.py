@@ -28,7 +28,7 @@ from collections.abc import Collection
 import gguf
 import numpy as np
 import torch
-from gguf_writer import add_tiny_tokenizer, hf_checkpoint_state_dict
+from gguf_writer import add_core_hparams, add_tiny_tokenizer, hf_checkpoint_state_dict
 
 ARCH = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.DEEPSEEK2]  # "deepseek2"
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight")
@@ -91,12 +91,7 @@ def _split_kv_b(kv_b: np.ndarray, config) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _add_hparams(writer: gguf.GGUFWriter, config, split_kv_b: bool) -> None:
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(1)
+    add_core_hparams(writer, config, 1)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
