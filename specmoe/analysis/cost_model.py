@@ -57,8 +57,11 @@ class MachineProfile:
             last-level cache (the decode read bandwidth).
         stream_bandwidth: bytes/s of a plain tensor sum over a large buffer, for reference.
         probe_rows: the row counts m probed, ascending.
-        seconds_per_byte: seconds per weight byte of an m-row `linear` at each m.
+        seconds_per_byte: seconds per weight byte of an m-row `linear` at each m, after
+            `roofline_envelope`.
         dtype_bytes: bytes per weight of the probe.
+        probed_seconds_per_byte: the probe's own minima before the envelope (None where the
+            profile was not measured, e.g. built by hand).
     """
 
     bandwidth: float
@@ -66,16 +69,21 @@ class MachineProfile:
     probe_rows: list[int]
     seconds_per_byte: list[float]
     dtype_bytes: int = 2
+    probed_seconds_per_byte: list[float] | None = None
 
     @classmethod
     def measure(cls, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
                 probe_bytes: int = 512 << 20) -> "MachineProfile":
-        """Probe with `probe_bytes` of [*, 2048] weights in 64 MiB pieces (several seconds)."""
+        """Probe with `probe_bytes` of [*, 2048] weights in 64 MiB pieces (about half a
+        minute): every row count once per round, `repeats` rounds, the minimum per count, so
+        a phase of slow memory in the middle of the probe slows every row count alike."""
         stream = measure_read_bandwidth(probe_bytes, device=device)
         pieces = _weight_pieces(probe_bytes, dtype, device)
         total = sum(w.numel() * w.element_size() for w in pieces)
-        per_byte = [_time_rows(pieces, m) / total for m in PROBE_ROWS]
-        return cls(1.0 / per_byte[0], stream, list(PROBE_ROWS), per_byte, dtype.itemsize)
+        probed = [s / total for s in _probe_rows(pieces, PROBE_ROWS)]
+        per_byte = roofline_envelope(PROBE_ROWS, probed)
+        return cls(1.0 / per_byte[0], stream, list(PROBE_ROWS), per_byte, dtype.itemsize,
+                   probed)
 
     def matmul_seconds(self, rows: float, num_params: float) -> float:
         """Seconds of an m-row matmul through num_params weights: the probed time per byte,
@@ -123,6 +131,30 @@ def _time_rows(pieces: list[torch.Tensor], rows: int, repeats: int = 2) -> float
         synchronize(x.device)
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def _probe_rows(pieces: list[torch.Tensor], rows: list[int], repeats: int = 3) -> list[float]:
+    """Best-of-`repeats` seconds of `_time_rows` for each row count, interleaved by round."""
+    best = [float("inf")] * len(rows)
+    for _ in range(repeats):
+        for i, m in enumerate(rows):
+            best[i] = min(best[i], _time_rows(pieces, m, repeats=1))
+    return best
+
+
+def roofline_envelope(rows: list[int], seconds_per_byte: list[float]) -> list[float]:
+    """Cap each probed time per byte at what fewer rows imply: m rows cost at most m / m'
+    times the time of m' < m rows (the m rows could run as m / m' calls of m' rows). A probe
+    that lands in a slow phase of memory reads above that cap and would otherwise bend the
+    interpolated roofline at exactly that row count (one run measured 16 rows 1.6x slower
+    per byte than 17, and the cost model fitted on it mispredicted Tt(16, T) by 35%).
+
+    rows: ascending row counts; seconds_per_byte: the probe's time per byte at each.
+    """
+    out = list(seconds_per_byte)
+    for i in range(1, len(out)):
+        out[i] = min([out[i]] + [out[j] * rows[i] / rows[j] for j in range(i)])
+    return out
 
 
 @dataclass(frozen=True)

@@ -139,3 +139,22 @@ def test_shape_counts_of_a_loaded_architecture():
         **{**moe.__dict__, "moe_layers": [1]})))
     assert (half.num_dense_layers, half.num_moe_layers) == (1, 1)
     assert half.dense_mlp_params == 3 * 16 * 64 and s.num_dense_layers == 0
+
+
+def test_roofline_envelope_caps_a_slow_phase_at_what_fewer_rows_imply():
+    rows = [1, 2, 12, 16, 17]
+    probed = [1e-10, 1e-10, 5e-10, 17e-10, 5.5e-10]   # 16 rows landed in slow memory
+    capped = cm.roofline_envelope(rows, probed)
+    assert capped[3] == pytest.approx(5e-10 * 16 / 12)
+    assert capped[:3] + capped[4:] == probed[:3] + probed[4:]
+    # a physical profile (flat while memory-bound, then linear in rows) is left alone
+    physical = [1e-10, 1e-10, 3e-10, 4e-10, 4.25e-10]
+    assert cm.roofline_envelope(rows, physical) == physical
+
+
+def test_probe_interleaves_row_counts_and_keeps_each_minimum(monkeypatch):
+    calls, times = [], iter([5.0, 9.0, 4.0, 2.0, 3.0, 7.0])
+    monkeypatch.setattr(cm, "_time_rows", lambda pieces, m, repeats: calls.append(m)
+                        or next(times))
+    assert cm._probe_rows([], [1, 8], repeats=3) == [3.0, 2.0]
+    assert calls == [1, 8, 1, 8, 1, 8]
