@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 SPECULATIVE_METHODS = ("ngram", "draft")
 SPECULATIVE_POLICIES = ("static", "batch_size_table", "adaptive")
+DRAFT_COSTS = ("per_depth", "rows")
 QUANTIZATION_METHODS = ("int8", "int4")
 # How routed experts run (`specmoe.layers.moe.backends`): "auto" picks per device and kernels.
 MOE_BACKEND_CHOICES = ("auto", "fused", "grouped", "grouped_mm", "reference")
@@ -279,6 +280,10 @@ class SpeculativeConfig:
             scheduler's max_num_seqs. A large batch is bound by compute, where verifying K
             drafts per request can cost more than it saves: `specmoe bench throughput` shows
             from which batch size on for a model and machine.
+        draft_cost: how the "adaptive" policy prices a draft model's work: "per_depth" (the
+            measured seconds per draft token, catch-ups averaged in) or "rows" (each draft
+            forward by its rows, a resuming request's catch-up spread over the steps after
+            it; `spec_decode.adaptive.DraftTimeModel`). Experimental until benchmarked.
     """
 
     method: str
@@ -290,6 +295,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     policy: str = "static"
     batch_size_table: dict | None = None
+    draft_cost: str = "per_depth"
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -314,6 +320,9 @@ class SpeculativeConfig:
         if self.policy not in SPECULATIVE_POLICIES:
             raise ValueError(f"invalid speculative policy={self.policy!r}: must be one of "
                              f"{SPECULATIVE_POLICIES}")
+        if self.draft_cost not in DRAFT_COSTS:
+            raise ValueError(f"invalid draft_cost={self.draft_cost!r}: must be one of "
+                             f"{DRAFT_COSTS}")
         if (self.policy == "batch_size_table") != (self.batch_size_table is not None):
             raise ValueError("speculative policy 'batch_size_table' and batch_size_table go "
                              f"together (policy={self.policy!r}, batch_size_table="

@@ -43,8 +43,9 @@ class ThroughputBenchConfig:
         spec_disable_by_batch_size: the speculative mode pauses speculation while at least
             this many requests run (`SpeculativeConfig.disable_by_batch_size`; None: never).
         policies: speculative modes by policy, each against plain in the same sweep:
-            "static:K" (every request drafts K), "table" (`batch_size_table`) and
-            "adaptive" (`SpeculativeConfig.policy`); empty: the one mode "spec" (static
+            "static:K" (every request drafts K), "table" (`batch_size_table`),
+            "adaptive" (`SpeculativeConfig.policy`) and "adaptive:rows" (adaptive with
+            `draft_cost` "rows"); empty: the one mode "spec" (static
             num_speculative_tokens with spec_disable_by_batch_size).
         batch_size_table: the "table" policy's ranges, vLLM style ({"1-4": 4, ...}).
         spec_bench_categories: the Spec-Bench tasks prompts are drawn from.
@@ -126,8 +127,9 @@ def policy_speculative(policy: str, k_max: int, table: dict | None) -> dict:
     Raises:
         ValueError: an unknown policy, a bad static K, or "table" without a table.
     """
-    if policy == "adaptive":
-        return {"policy": "adaptive", "num_speculative_tokens": k_max}
+    if policy in ("adaptive", "adaptive:rows"):
+        return {"policy": "adaptive", "num_speculative_tokens": k_max,
+                "draft_cost": "rows" if policy == "adaptive:rows" else "per_depth"}
     if policy == "table":
         if not table:
             raise ValueError("policy 'table' needs a batch_size_table")
@@ -136,8 +138,8 @@ def policy_speculative(policy: str, k_max: int, table: dict | None) -> dict:
     name, _, k = policy.partition(":")
     if name == "static" and k.isdigit() and 1 <= int(k) <= 64:
         return {"policy": "static", "num_speculative_tokens": int(k)}
-    raise ValueError(f"invalid policy {policy!r}: expected static:K (1 <= K <= 64), table or "
-                     "adaptive")
+    raise ValueError(f"invalid policy {policy!r}: expected static:K (1 <= K <= 64), table, "
+                     "adaptive or adaptive:rows")
 
 
 # ---------------------------------------------------------------- prompts

@@ -28,6 +28,7 @@ from specmoe.outputs import TokenLogprob
 from specmoe.request import Request
 from specmoe.sample.ops import compute_logprobs
 from specmoe.spec_decode.adaptive import AdaptivePolicy
+from specmoe.spec_decode.time_models import call_rows
 from specmoe.spec_decode.routing_overlap import RoutingSampler
 from specmoe.spec_decode.proposer import ProposeRequest
 from specmoe.utils.threads import make_thread_governor
@@ -295,7 +296,16 @@ class EngineCore:
             return {rid: min(k, cap) for rid, k in own.items()}
         if self.policy is None or not live:
             return own
-        return self.policy.choose(list(own), list(own.values()), len(live))
+        return self.policy.choose(list(own), list(own.values()), len(live),
+                                  self._pending_tokens(live))
+
+    def _pending_tokens(self, reqs: list[Request]) -> list[int] | None:
+        """Per request, the tokens the draft model's cache lacks (its catch-up), where the
+        adaptive policy prices drafting by rows and the proposer keeps a cache."""
+        pending = getattr(self.proposer, "pending_tokens", None)
+        if pending is None or self.policy is None or not self.policy.s.draft_rows_model:
+            return None
+        return [pending(req.request_id, req.num_tokens) for req in reqs]
 
     def _observe_policy(self, sampled: list[ScheduledRequest], num_accepted: dict[str, int],
                         scheduled: list[ScheduledRequest], seconds: float,
@@ -335,6 +345,7 @@ class EngineCore:
                                                  req.params, self._generators[req.request_id])))
         if not asks:
             return
+        pending = self._pending_tokens([req for req, _ in asks])
         t0 = time.perf_counter()
         proposals = run_isolated(self.proposer.propose,
                                  lambda ask: self.proposer.propose([ask])[0],
@@ -342,7 +353,10 @@ class EngineCore:
         draft_time = time.perf_counter() - t0
         self.stats.spec.draft_time_s += draft_time
         if self.policy is not None:
-            self.policy.observe_draft(max(ask.num_tokens for _, ask in asks), draft_time)
+            rows = None if pending is None else call_rows(
+                [ask.num_tokens for _, ask in asks], pending)
+            self.policy.observe_draft(max(ask.num_tokens for _, ask in asks), draft_time,
+                                      rows)
         for (req, _), proposal in zip(asks, proposals):
             if isinstance(proposal, Exception):
                 self._fail(req, proposal)

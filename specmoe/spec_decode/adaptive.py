@@ -1,6 +1,6 @@
 """Adaptive speculation (`SpeculativeConfig.policy = "adaptive"`): before each step, every
 running request's K in 0..its own K is chosen to maximise the batch's expected tokens per
-second.
+second (the choice in `spec_decode.choice`, the time models in `spec_decode.time_models`).
 
 - Acceptance: per request and draft position, the rate at which a reached draft is accepted,
   shrunk towards the engine-wide rate by `prior_strength` pseudo-drafts (a Beta-binomial
@@ -18,11 +18,17 @@ second.
   the adjacent-token overlap measured live on sampled steps), since a memory-bound MoE layer
   reads each touched expert once, so K drafts of one request cost about the experts they
   add, not K rows. Drafting costs d x depth (the deepest request's K: a draft model runs
-  the batch that many times), d the measured drafting seconds per depth, averaged.
+  the batch that many times), d the measured drafting seconds per depth, averaged; or, with
+  `draft_rows_model`, the draft's forwards priced by their rows (`DraftTimeModel`): the
+  first forward runs every drafting request's catch-up (the tokens its draft cache lacks),
+  each later one the requests still drafting. A request that did not draft on the previous
+  step pays its catch-up once, so only 1 / `catch_up_horizon` of it beyond the first token
+  is charged to the step that resumes it.
 - Choice: for a given draft depth D and number n of drafts, the best drafts are the n with
   the most expected tokens (each request's are non-increasing in position, so they are a
   prefix of each request's); the best n maximises tokens / seconds. Each D = 0..K_max is
-  tried, and the best kept.
+  tried, and the best kept. (With per-request catch-ups a request's first draft carries a
+  cost of its own, and the prefix is then a greedy approximation.)
 - Hysteresis: the previous step's Ks stay unless the new choice is predicted `hysteresis`
   faster. Re-probing: after `probe_every` steps in which some request is held at K = 0, all
   such requests draft one token on the same step, so their acceptance estimates stay
@@ -42,12 +48,13 @@ second.
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
+from specmoe.spec_decode.choice import _step_seconds, choose_ks, predicted_rate
 from specmoe.spec_decode.routing_overlap import miss_log, unique_fraction
+from specmoe.spec_decode.time_models import DraftTimeModel, StepTimeModel
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,8 @@ class AdaptiveSettings:
     recheck_every: int = 32
     window: int = 256
     min_fit_steps: int = 8
+    draft_rows_model: bool = False  # price drafting by its forwards' rows (DraftTimeModel)
+    catch_up_horizon: int = 16  # steps a resuming request's catch-up is spread over
     num_experts: int = 0  # a MoE target's routed experts N and top-k (0: dense)
     top_k: int = 0
     overlap_prior: float = 0.4  # adjacent-token overlap until one is measured
@@ -111,149 +120,10 @@ class AcceptanceTracker:
         self._requests.pop(request_id, None)
 
 
-KNOTS = (8, 32, 128)  # rows where the step time's slope may grow
-
-
-def _row_features(rows, unique_frac=None) -> np.ndarray:
-    r = np.asarray(rows, dtype=float)
-    cols = [np.ones_like(r), r, *(np.maximum(r - k, 0.0) for k in KNOTS)]
-    if unique_frac is not None:
-        cols.append(np.broadcast_to(np.asarray(unique_frac, dtype=float), r.shape))
-    return np.stack(cols, axis=-1)
-
-
-class StepTimeModel:
-    """Target forward seconds as a convex increasing piecewise-linear function of rows, plus
-    c_U U/N on a MoE target (module docstring), non-negative least squares on a window of
-    steps."""
-
-    def __init__(self, window: int, min_steps: int, moe: bool = False) -> None:
-        self._steps: deque[tuple[int, float, float]] = deque(maxlen=window)
-        self.min_steps = min_steps
-        self.moe = moe
-        self.coef: np.ndarray | None = None
-        self._observed = 0
-        self._fitted_at = 0  # steps observed at the last fit
-        self._floor = 0.0  # least seconds a prediction may give (set by each fit)
-
-    def observe(self, rows: int, seconds: float, unique_frac: float = 0.0) -> None:
-        """Record a step (the first fit as soon as `min_steps` are in; later ones when a
-        prediction asks)."""
-        self._steps.append((rows, seconds, unique_frac))
-        self._observed += 1
-        if self.coef is None and len(self._steps) >= self.min_steps:
-            self._fit()
-
-    def refresh(self) -> None:
-        """Refit if 4 or more steps came in since the last fit."""
-        if self.coef is not None and self._observed - self._fitted_at >= 4:
-            self._fit()
-
-    def _fit(self) -> None:
-        from scipy.optimize import nnls
-        rows, secs, frac = np.array(self._steps, dtype=float).T
-        feats = _row_features(rows, frac if self.moe else None)
-        # relative error: a long prefill step must not outweigh a hundred decode steps
-        self.coef, _ = nnls(feats / secs[:, None], np.ones_like(secs))
-        self._fitted_at = self._observed
-        # a fit on large steps alone may put every weight on the hinges, predicting 0 s
-        # for a few rows; no step runs faster than half the fastest one seen
-        self._floor = 0.5 * float(secs.min())
-
-    def predict_one(self, rows: int, unique_frac: float = 0.0) -> float | None:
-        """`predict` for one step from the last fit, in plain floats (no refit)."""
-        c = self.coef
-        if c is None:
-            return None
-        seconds = c[0] + c[1] * rows + sum(
-            cj * max(0.0, rows - knot) for cj, knot in zip(c[2:], KNOTS))
-        return max(self._floor, float(seconds + (c[-1] * unique_frac if self.moe else 0.0)))
-
-    def predict(self, rows, unique_frac=0.0, refit: bool = True):
-        """Seconds at `rows` (a number or an array) and, on a MoE target, the windows'
-        share of experts (same shape); None before the first fit. `refit=False` skips
-        refitting on the steps observed since the last fit (a cheap, slightly stale
-        prediction)."""
-        if refit:
-            self.refresh()
-        if self.coef is None:
-            return None
-        return np.maximum(_row_features(rows, unique_frac if self.moe else None) @ self.coef,
-                          self._floor)
-
-
-def choose_ks(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float,
-              miss_step: np.ndarray | None = None) -> tuple[np.ndarray, float]:
-    """The K per request that maximises expected tokens per second (module docstring).
-
-    Args:
-        gains: [B, max_k] expected tokens of each request's j-th draft, non-increasing in j.
-        caps: [B] int, each request's largest K.
-        step_s: the target step's seconds from its draft count and (MoE) the log of the
-            share of experts its windows miss (two arrays of one shape -> an array of
-            seconds), non-decreasing in both.
-        draft_s: drafting seconds per depth.
-        miss_step: [max_k + 1], a MoE target's log-miss of a window of 1 + j tokens
-            (`routing_overlap.miss_log`); None for a dense target.
-    Returns:
-        (ks [B] int64, the predicted tokens per second).
-    """
-    b, max_k = gains.shape
-    miss = np.zeros(max_k + 1) if miss_step is None else miss_step
-    base_miss = b * miss[0]
-    best_ks = np.zeros(b, dtype=np.int64)
-    best_rate = b / float(step_s(np.zeros(1), np.full(1, base_miss))[0])
-    max_depth = min(max_k, int(caps.max(initial=0)))
-    if not _may_pay(gains, caps, b / best_rate, draft_s, max_depth, best_rate):
-        return best_ks, float(best_rate)
-    for depth in range(1, max_depth + 1):
-        g = np.where(np.arange(depth)[None, :] < caps[:, None], gains[:, :depth], -np.inf)
-        order = np.argsort(-g, axis=None, kind="stable")
-        vals = g.reshape(-1)[order]
-        finite = np.isfinite(vals)
-        vals, order = vals[finite], order[finite]
-        # a request's j-th draft grows its window from j + 1 to j + 2 tokens
-        grow = np.diff(miss)[order % depth]
-        tokens = b + np.concatenate([[0.0], np.cumsum(vals)])
-        misses = base_miss + np.concatenate([[0.0], np.cumsum(grow)])
-        seconds = step_s(np.arange(vals.size + 1), misses) + draft_s * depth
-        n = int(np.argmax(tokens / seconds))
-        rate = tokens[n] / seconds[n]
-        if n and rate > best_rate:
-            best_rate = rate
-            best_ks = np.bincount(order[:n] // depth, minlength=b)
-    return best_ks, float(best_rate)
-
-
-def _may_pay(gains: np.ndarray, caps: np.ndarray, plain_s: float, draft_s: float,
-             max_depth: int, plain_rate: float) -> bool:
-    """Whether any draft depth could beat no speculation: at depth D at most every
-    allowed draft up to D is accepted, and the step costs at least the plain step plus D
-    draft steps (the step time does not fall with more rows or experts). A cheap bound
-    that skips `choose_ks`'s search on the steps where speculation is hopeless."""
-    if max_depth < 1:
-        return False
-    allowed = np.where(np.arange(gains.shape[1])[None, :] < caps[:, None], gains, 0.0)
-    most = gains.shape[0] + np.cumsum(allowed.sum(axis=0))[:max_depth]
-    return bool(np.max(most / (plain_s + draft_s * np.arange(1, max_depth + 1))) > plain_rate)
-
-
-def predicted_rate(ks: np.ndarray, gains: np.ndarray, step_s, draft_s: float,
-                   miss_step: np.ndarray | None = None) -> float:
-    """Expected tokens per second of the batch at `ks` (`choose_ks`'s arguments)."""
-    tokens = len(ks) + sum(float(g[:k].sum()) for g, k in zip(gains, ks))
-    return tokens / (_step_seconds(ks, step_s, miss_step) + draft_s * int(ks.max(initial=0)))
-
-
 def _running_mean(mean: float, count: int, value: float) -> float:
     """The mean of the first values, then a moving average weighting the newest by 0.1;
     `count` includes `value`."""
     return mean + max(1.0 / count, 0.1) * (value - mean)
-
-
-def _step_seconds(ks: np.ndarray, step_s, miss_step: np.ndarray | None) -> float:
-    misses = 0.0 if miss_step is None else float(miss_step[ks].sum())
-    return float(step_s(np.array([int(ks.sum())]), np.array([misses]))[0])
 
 
 class AdaptivePolicy:
@@ -269,6 +139,7 @@ class AdaptivePolicy:
         self._overlap_obs = 0
         self.draft_s = 0.0
         self._draft_obs = 0
+        self.draft_time = DraftTimeModel(settings.window, settings.min_fit_steps)
         self._previous: dict[str, int] = {}
         self._since_probe = 0  # steps with a request held at K = 0 since the last probe
         self.probe_interval = settings.probe_every  # grows while probes find nothing
@@ -308,20 +179,25 @@ class AdaptivePolicy:
             return unique_fraction(windows, self.s.num_experts, self.s.top_k, self.overlap)
         return 1.0 - math.exp(sum(miss[t - 1] for t in windows))
 
-    def observe_draft(self, depth: int, seconds: float) -> None:
+    def observe_draft(self, depth: int, seconds: float,
+                      forward_rows: list[float] | None = None) -> None:
         """A drafting call of `depth` tokens per request that took `seconds`, the draft
-        model's catch-up on context it had not seen included: a request that resumes
-        after K = 0 pays that catch-up, and a cost from steady calls alone underprices
-        resuming (it turns speculation back on where the catch-ups then outweigh the
-        gain). A model of the catch-up per request is the better fix (not yet here)."""
+        model's catch-up on context it had not seen included (`forward_rows`: its
+        forwards' rows, `call_rows`, for `draft_rows_model`). Without the rows model the
+        catch-ups are averaged into the cost per depth: a cost from steady calls alone
+        would underprice resuming (it turns speculation back on where the catch-ups then
+        outweigh the gain)."""
         if depth > 0:
             self._draft_obs += 1
             self.draft_s = _running_mean(self.draft_s, self._draft_obs, seconds / depth)
+        if forward_rows:
+            self.draft_time.observe(forward_rows, seconds)
 
-    def choose(self, request_ids: list[str], caps: list[int], base_rows: int
-               ) -> dict[str, int]:
+    def choose(self, request_ids: list[str], caps: list[int], base_rows: int,
+               pending: list[int] | None = None) -> dict[str, int]:
         """K per request (at most its cap) for the next step; `base_rows`: the rows the
-        step computes without drafts (the predicted time adds one per draft)."""
+        step computes without drafts (the predicted time adds one per draft); `pending`:
+        per request, the tokens its draft cache lacks (for `draft_rows_model`)."""
         if not request_ids:
             return {}
         if self.step_time.coef is None:  # not calibrated yet: the requests' own K
@@ -335,7 +211,7 @@ class AdaptivePolicy:
             self.predicted_step_s = self._predict_off(base_rows, len(batch))
             return self._keep(request_ids, [0] * len(batch), caps)
         caps_a = np.minimum(np.asarray(caps, dtype=np.int64), self.s.max_k)
-        ks = self._solve(request_ids, caps_a, base_rows)
+        ks = self._solve(request_ids, caps_a, base_rows, pending)
         self._off = (batch, 1) if not ks.any() else None
         self._back_off(bool(ks.any()))
         return self._keep(request_ids, ks.tolist(), caps)
@@ -355,20 +231,35 @@ class AdaptivePolicy:
         self._previous = dict(zip(request_ids, self._probe(ks, caps)))
         return dict(self._previous)
 
-    def _solve(self, request_ids: list[str], caps_a: np.ndarray, base_rows: int
-               ) -> np.ndarray:
+    def _solve(self, request_ids: list[str], caps_a: np.ndarray, base_rows: int,
+               pending: list[int] | None) -> np.ndarray:
         """The best Ks for the batch (module docstring), with the hysteresis, and the
         predicted step time."""
         step_s, miss = self._step_fn(base_rows), self._miss()
         gains = np.stack([self.acceptance.gains(r) for r in request_ids])
-        ks, rate = choose_ks(gains, caps_a, step_s, self.draft_s, miss)
+        draft_s, rows = self._drafting(request_ids, pending)
+        ks, rate = choose_ks(gains, caps_a, step_s, draft_s, miss, rows)
         prev = np.array([min(self._previous.get(r, k), c) for r, k, c
                          in zip(request_ids, ks, caps_a)], dtype=np.int64)
-        if rate <= predicted_rate(prev, gains, step_s, self.draft_s, miss) * (
+        if rate <= predicted_rate(prev, gains, step_s, draft_s, miss, rows) * (
                 1 + self.s.hysteresis):
             ks = prev
         self.predicted_step_s = _step_seconds(ks, step_s, miss)
         return ks
+
+    def _drafting(self, request_ids: list[str], pending: list[int] | None):
+        """(draft_s, draft_rows) for `choose_ks`: the cost per depth, or with
+        `draft_rows_model` (once fitted) the least a forward costs and each request's
+        catch-up rows, a resuming request's spread over `catch_up_horizon` steps."""
+        model = self.draft_time
+        if self.s.draft_rows_model and pending is not None:
+            model.refresh()
+        if not self.s.draft_rows_model or pending is None or model.coef is None:
+            return self.draft_s, None
+        h = self.s.catch_up_horizon
+        lags = np.array([p if self._previous.get(r, 0) > 0 else 1 + max(p - 1, 0) / h
+                         for r, p in zip(request_ids, pending)], dtype=float)
+        return float(model.forward_s(1.0)), (lags, model.forward_s)
 
     def _predict_off(self, rows: int, batch_size: int) -> float:
         """The forward's seconds with no drafts, from the last fit (cheap: every step)."""

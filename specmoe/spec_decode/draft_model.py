@@ -62,6 +62,14 @@ class DraftModelProposer:
             self.kv_cache.free(request_id)
         self._cached_tokens.pop(request_id, None)
 
+    def pending_tokens(self, request_id: str, num_tokens: int) -> int:
+        """Tokens of the request's `num_tokens`-token context that its next proposal first
+        runs through the draft (its catch-up; at least 1). Counts the cached tokens as a
+        prefix of the context, so after a rejection it is short by the rejected drafts (at
+        most K - 1): exact for a request that has not drafted for a while, where it
+        matters."""
+        return max(1, num_tokens - len(self._cached_tokens.get(request_id, ())))
+
     @torch.inference_mode()
     def propose(self, reqs: list[ProposeRequest]) -> list[DraftProposal]:
         """Draft for every request in one batch (see the module docstring)."""

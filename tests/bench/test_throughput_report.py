@@ -246,8 +246,9 @@ def test_policy_config():
     cfg = ThroughputBenchConfig(policies=["static:2", "adaptive", "table"],
                                 batch_size_table={"1-4": 4, "5-64": 0})
     assert cfg.modes == ["plain", "static:2", "adaptive", "table"]
-    assert policy_speculative("adaptive", 8, None) == {"policy": "adaptive",
-                                                       "num_speculative_tokens": 8}
+    assert policy_speculative("adaptive", 8, None) == {
+        "policy": "adaptive", "num_speculative_tokens": 8, "draft_cost": "per_depth"}
+    assert policy_speculative("adaptive:rows", 8, None)["draft_cost"] == "rows"
     assert policy_speculative("table", 8, {"1-4": 4})["num_speculative_tokens"] == 4
     for bad in ("static:0", "static:x", "greedy"):
         with pytest.raises(ValueError, match=f"invalid policy '{bad}'"):

@@ -49,3 +49,24 @@ def test_engines_from_one_llm_share_one_draft_copy_and_keep_their_own_caches():
     expected = [o.token_ids for o in plain.generate(prompts, params)]
     for llm in (static, adaptive, static):
         assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+
+
+def test_rows_priced_drafting_fits_the_draft_forwards_and_stays_lossless():
+    plain = LLM("tiny-moe", dtype="float32")
+    spec = plain.with_speculative({"method": "draft", "draft_model": "tiny-moe-draft",
+                                   "num_speculative_tokens": 4, "policy": "adaptive",
+                                   "draft_cost": "rows"})
+    core = spec.engine
+    assert core.policy.s.draft_rows_model
+    prompts = [[5 + i, 17, 42, 99, 7 + i] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in spec.generate(prompts, params)] == expected
+    model = core.policy.draft_time
+    assert model._observed >= 4
+    model.min_calls = 4  # the poor tiny draft is soon held off: fit on the calls it made
+    model.refresh()
+    assert model.coef is not None
+    # the first call of each request ran its whole prompt through the draft
+    assert max(f[1] for f, _, _ in model._calls) >= 5
+    assert model.forward_s(1.0) > 0

@@ -8,8 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specmoe.spec_decode.adaptive import (AcceptanceTracker, AdaptivePolicy, AdaptiveSettings,
-                                          StepTimeModel, choose_ks, predicted_rate)
+from specmoe.spec_decode.adaptive import AcceptanceTracker, AdaptivePolicy, AdaptiveSettings
+from specmoe.spec_decode.choice import choose_ks, predicted_rate
+from specmoe.spec_decode.time_models import StepTimeModel
 
 
 def _gains(rate: float, b: int, max_k: int = 8) -> np.ndarray:
@@ -238,3 +239,75 @@ def test_policy_measures_overlap_and_predicts_moe_steps():
     assert p.unique_fraction([1]) == pytest.approx(8 / 64)
     dense = AdaptivePolicy(AdaptiveSettings(max_k=4))
     assert dense.unique_fraction([1, 5]) == 0.0
+
+
+# ---- drafting priced by its forwards' rows (draft_cost "rows") ----
+
+from specmoe.spec_decode.time_models import DraftTimeModel, call_rows  # noqa: E402
+
+
+def _draft_forward(rows):  # a draft forward: 2 ms, and 0.2 ms per row
+    return 0.002 + 0.0002 * rows
+
+
+def test_call_rows_puts_the_catch_ups_in_the_first_forward():
+    assert call_rows([2, 0, 4], [3, 50, 1]) == [4.0, 2.0, 1.0, 1.0]
+    assert call_rows([0, 0], [3, 4]) == []
+
+
+def test_draft_time_model_learns_the_cost_per_forward_from_whole_calls():
+    m = DraftTimeModel(window=64, min_calls=4)
+    for ks, pending in [([1], [2]), ([4], [3]), ([2, 2], [1, 400]), ([3, 1, 2], [2, 2, 9]),
+                        ([1, 1], [200, 3]), ([4, 4], [2, 2])]:
+        rows = call_rows(ks, pending)
+        m.observe(rows, sum(_draft_forward(r) for r in rows))
+    m.refresh()
+    assert m.forward_s(np.array([1.0, 8.0, 300.0])) == pytest.approx(
+        [_draft_forward(1), _draft_forward(8), _draft_forward(300)], rel=1e-6)
+    assert m.forward_s(0.0) == 0.0
+
+
+def _rows_policy(pending_history):
+    p = AdaptivePolicy(AdaptiveSettings(max_k=4, draft_rows_model=True, probe_every=1000,
+                                        min_fit_steps=4))
+    _calibrated(p, 0.020, 0.0)  # memory-bound target: 20 ms a step whatever its rows
+    for rows in pending_history:  # steady calls and a few probes with long catch-ups
+        fwd = call_rows([1], [rows])
+        p.observe_draft(1, sum(_draft_forward(r) for r in fwd), fwd)
+    for _ in range(40):
+        p.observe_verified("a", 1, 1)
+    return p
+
+
+def test_catch_ups_do_not_price_steady_drafting():
+    """Probes that caught up 500 tokens made the per-depth mean 35 ms a draft, more than
+    a step, so speculation stayed off; priced by rows, a caught-up request drafts."""
+    history = [2, 2, 2, 500, 2, 2, 500, 500]
+    per_depth = _rows_policy(history)
+    per_depth.s = AdaptiveSettings(**{**per_depth.s.__dict__, "draft_rows_model": False})
+    assert per_depth.draft_s > 0.020
+    assert per_depth.choose(["a"], [4], 1)["a"] == 0
+    rows = _rows_policy(history)
+    assert rows.choose(["a"], [4], 1, pending=[2])["a"] > 0
+
+
+def test_a_resuming_catch_up_is_spread_over_the_horizon():
+    history = [2, 2, 2, 2, 500, 500]
+    # not drafting before: 1 + 3999 / 16 rows (50 ms) on this step outweigh its gain
+    assert _rows_policy(history).choose(["a"], [4], 1, pending=[4000])["a"] == 0
+    assert _rows_policy(history).choose(["a"], [4], 1, pending=[40])["a"] > 0
+    # drafting on the previous step: its pending tokens recur every step, in full
+    p = _rows_policy(history)
+    p._previous = {"a": 1}
+    assert p._drafting(["a"], [40])[1][0].tolist() == [40.0]
+    assert _rows_policy(history)._drafting(["a"], [33])[1][0].tolist() == [3.0]
+
+
+def test_rows_priced_choice_predicts_its_own_rate():
+    p = _rows_policy([2, 3, 2, 500, 2])
+    gains = np.stack([_gains(0.9, 1)[0], _gains(0.6, 1)[0], _gains(0.3, 1)[0]])[:, :4]
+    draft_s, rows = p._drafting(["x", "y", "z"], [3, 30, 300])
+    step = p._step_fn(3)
+    ks, rate = choose_ks(gains, np.full(3, 4), step, draft_s, None, rows)
+    assert ks.any()
+    assert rate == pytest.approx(predicted_rate(ks, gains, step, draft_s, None, rows))

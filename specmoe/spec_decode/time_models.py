@@ -1,0 +1,133 @@
+"""Time models of the adaptive speculation policy (`spec_decode.adaptive`): the target
+step's seconds from its rows (and, on a MoE target, the share of experts its windows touch),
+and a draft model's seconds per forward from its rows, both convex increasing
+piecewise-linear functions fitted online by non-negative least squares on relative error
+(scipy.optimize.nnls)."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+KNOTS = (8, 32, 128)  # rows where the step time's slope may grow
+
+
+def _row_features(rows, unique_frac=None) -> np.ndarray:
+    r = np.asarray(rows, dtype=float)
+    cols = [np.ones_like(r), r, *(np.maximum(r - k, 0.0) for k in KNOTS)]
+    if unique_frac is not None:
+        cols.append(np.broadcast_to(np.asarray(unique_frac, dtype=float), r.shape))
+    return np.stack(cols, axis=-1)
+
+
+class StepTimeModel:
+    """Target forward seconds as a convex increasing piecewise-linear function of rows, plus
+    c_U U/N on a MoE target (module docstring), non-negative least squares on a window of
+    steps."""
+
+    def __init__(self, window: int, min_steps: int, moe: bool = False) -> None:
+        self._steps: deque[tuple[int, float, float]] = deque(maxlen=window)
+        self.min_steps = min_steps
+        self.moe = moe
+        self.coef: np.ndarray | None = None
+        self._observed = 0
+        self._fitted_at = 0  # steps observed at the last fit
+        self._floor = 0.0  # least seconds a prediction may give (set by each fit)
+
+    def observe(self, rows: int, seconds: float, unique_frac: float = 0.0) -> None:
+        """Record a step (the first fit as soon as `min_steps` are in; later ones when a
+        prediction asks)."""
+        self._steps.append((rows, seconds, unique_frac))
+        self._observed += 1
+        if self.coef is None and len(self._steps) >= self.min_steps:
+            self._fit()
+
+    def refresh(self) -> None:
+        """Refit if 4 or more steps came in since the last fit."""
+        if self.coef is not None and self._observed - self._fitted_at >= 4:
+            self._fit()
+
+    def _fit(self) -> None:
+        from scipy.optimize import nnls
+        rows, secs, frac = np.array(self._steps, dtype=float).T
+        feats = _row_features(rows, frac if self.moe else None)
+        # relative error: a long prefill step must not outweigh a hundred decode steps
+        self.coef, _ = nnls(feats / secs[:, None], np.ones_like(secs))
+        self._fitted_at = self._observed
+        # a fit on large steps alone may put every weight on the hinges, predicting 0 s
+        # for a few rows; no step runs faster than half the fastest one seen
+        self._floor = 0.5 * float(secs.min())
+
+    def predict_one(self, rows: int, unique_frac: float = 0.0) -> float | None:
+        """`predict` for one step from the last fit, in plain floats (no refit)."""
+        c = self.coef
+        if c is None:
+            return None
+        seconds = c[0] + c[1] * rows + sum(
+            cj * max(0.0, rows - knot) for cj, knot in zip(c[2:], KNOTS))
+        return max(self._floor, float(seconds + (c[-1] * unique_frac if self.moe else 0.0)))
+
+    def predict(self, rows, unique_frac=0.0, refit: bool = True):
+        """Seconds at `rows` (a number or an array) and, on a MoE target, the windows'
+        share of experts (same shape); None before the first fit. `refit=False` skips
+        refitting on the steps observed since the last fit (a cheap, slightly stale
+        prediction)."""
+        if refit:
+            self.refresh()
+        if self.coef is None:
+            return None
+        return np.maximum(_row_features(rows, unique_frac if self.moe else None) @ self.coef,
+                          self._floor)
+
+
+class DraftTimeModel:
+    """A draft model's seconds per forward as a convex increasing piecewise-linear function
+    of its rows (the features of `StepTimeModel`), fitted by non-negative least squares
+    (relative error) on whole drafting calls: a call's features are the sum of its
+    forwards' (`forward_rows`: the first over every drafting request's catch-up tokens,
+    each later one over the requests still drafting)."""
+
+    def __init__(self, window: int, min_calls: int) -> None:
+        self._calls: deque[tuple[np.ndarray, float, int]] = deque(maxlen=window)
+        self.min_calls = min_calls
+        self.coef: np.ndarray | None = None
+        self._observed = 0
+        self._fitted_at = 0
+        self._floor = 0.0  # least seconds a forward may be predicted to take
+
+    def observe(self, forward_rows: list[int], seconds: float) -> None:
+        """A drafting call that ran forwards of these rows in `seconds`."""
+        if not forward_rows or seconds <= 0:
+            return
+        self._calls.append((_row_features(forward_rows).sum(axis=0), seconds,
+                            len(forward_rows)))
+        self._observed += 1
+
+    def refresh(self) -> None:
+        """Fit once `min_calls` calls are in, then again after every 4 more."""
+        if len(self._calls) >= self.min_calls and (
+                self.coef is None or self._observed - self._fitted_at >= 4):
+            from scipy.optimize import nnls
+            feats = np.stack([f for f, _, _ in self._calls])
+            secs = np.array([t for _, t, _ in self._calls])
+            self.coef, _ = nnls(feats / secs[:, None], np.ones_like(secs))
+            self._fitted_at = self._observed
+            self._floor = 0.5 * float(min(t / n for _, t, n in self._calls))
+
+    def forward_s(self, rows) -> np.ndarray:
+        """Seconds of a forward of `rows` (any shape); 0 where rows is 0 (no forward runs).
+        Call after a fit (`coef` set)."""
+        r = np.asarray(rows, dtype=float)
+        return np.where(r > 0, np.maximum(_row_features(r) @ self.coef, self._floor), 0.0)
+
+
+def call_rows(ks, pending) -> list[float]:
+    """The rows of each forward of a drafting call that drafts ks[i] tokens for request i,
+    whose draft cache lacks pending[i] tokens: [sum of pending where ks >= 1, then the
+    number of requests with ks > j for j = 1..max(ks) - 1]."""
+    depth = max(ks, default=0)
+    if depth < 1:
+        return []
+    first = sum(p for k, p in zip(ks, pending) if k > 0)
+    return [float(first)] + [float(sum(1 for k in ks if k > j)) for j in range(1, depth)]
