@@ -143,8 +143,8 @@ def answers(results: dict) -> list[str]:
         bm, bd = best_speedups(results, moe[0]), best_speedups(results, dense[0])
         higher = [b for b in bm if b in bd and bm[b]["measured_speedup"]
                   > bd[b]["measured_speedup"]]
-        out.append(f"   - The MoE's best speedup is higher than dense at B = "
-                   f"{', '.join(map(str, higher)) or 'none'}.")
+        where = f"at B = {', '.join(map(str, higher))}" if higher else "at no batch size"
+        out.append(f"   - The MoE's best speedup is higher than dense {where}.")
         one = bm.get(1)
         if one:
             out.append(f"3. **B = 1**: the MoE's best speedup {one['measured_speedup']:.2f}x "

@@ -208,18 +208,20 @@ class VerifyCostBench:
 def measure_grid(bench: VerifyCostBench, batch_sizes: list[int], num_tokens: list[int],
                  reps: int, on_point=None) -> list[GridPoint]:
     """Tt(B, T) for every B and T, `reps` times; repetitions are the outer loop, so the
-    machine's drift spreads over the whole grid. One untimed warm-up forward at the largest
-    point first. `on_point()` is called after each timed forward (progress bars)."""
+    machine's drift spreads over the whole grid, and every other repetition runs the grid
+    in reverse, so no point always follows the same one (the first small forward after the
+    largest ran 25% slow in both repetitions of one study). One untimed warm-up forward at
+    the largest point first. `on_point()` is called after each timed forward (progress
+    bars)."""
     points = {(b, t): GridPoint(b, t) for b in batch_sizes for t in num_tokens}
     bench.time_forward(max(batch_sizes), max(num_tokens))
-    for _ in range(reps):
-        for b in batch_sizes:
-            for t in num_tokens:
-                seconds, unique = bench.time_forward(b, t)
-                points[b, t].seconds.append(seconds)
-                if unique:
-                    points[b, t].unique_experts.append(unique)
-                if on_point is not None:
-                    on_point()
+    for rep in range(reps):
+        for b, t in (list(points) if rep % 2 == 0 else reversed(list(points))):
+            seconds, unique = bench.time_forward(b, t)
+            points[b, t].seconds.append(seconds)
+            if unique:
+                points[b, t].unique_experts.append(unique)
+            if on_point is not None:
+                on_point()
     return list(points.values())
 

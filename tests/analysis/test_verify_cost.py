@@ -66,10 +66,14 @@ def test_own_router_routes_when_no_source_is_given():
 def test_measure_grid_bookkeeping():
     runner = build_synthetic(SMALL_DENSE, dtype="float32")
     bench = VerifyCostBench(runner, None, context_len=8, max_batch_size=4, max_num_tokens=3)
-    calls = []
+    calls, order = [], []
+    timed = bench.time_forward
+    bench.time_forward = lambda b, t: order.append((b, t)) or timed(b, t)
     points = measure_grid(bench, [1, 4], [1, 3], reps=2, on_point=lambda: calls.append(1))
     assert [(p.batch_size, p.num_tokens) for p in points] == [(1, 1), (1, 3), (4, 1), (4, 3)]
     assert len(calls) == 8
+    grid = [(1, 1), (1, 3), (4, 1), (4, 3)]
+    assert order == [(4, 3)] + grid + grid[::-1]  # warm-up, then every other rep reversed
     for p in points:
         assert len(p.seconds) == 2 and p.min_s <= p.median_s
         assert p.unique_experts == []
