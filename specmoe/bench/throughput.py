@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from specmoe.bench.throughput_floor import MatmulCounts, run_floor_seconds
 from specmoe.bench.throughput_stats import aggregate, ratios, slowest_steps, target_line
 from specmoe.config import ArchConfig, ExpertParallelConfig
+from specmoe.engine.kv_cache_manager import blocks_for_requests
 from specmoe.bench import throughput_ep
 from specmoe.loader.aliases import DEFAULT_MODEL
 from specmoe.utils.data import DATASETS, load_prompts
@@ -262,13 +263,15 @@ def add_speculative_engines(cfg: ThroughputBenchConfig, engines: dict,
 def workload_kv_blocks(cfg: ThroughputBenchConfig, prompts: list[dict],
                        block_size: int) -> int | None:
     """KV cache blocks for max(concurrency) requests of the longest prompt plus max_tokens
-    and the drafts (16 slots of lookahead as the engine's own sizing), so the speculative
-    engines hold no more cache than the sweep uses; None when --num-kv-blocks is given."""
+    and the drafts (sized as the engine sizes its own, `blocks_for_requests`), so the
+    speculative engines hold no more cache than the sweep uses; None when --num-kv-blocks
+    is given."""
     if cfg.num_kv_blocks is not None:
         return None
     longest = max(len(p["token_ids"]) for p in prompts)
-    per_request = -(-(longest + cfg.max_tokens + cfg.num_speculative_tokens + 16) // block_size)
-    return max(cfg.concurrency) * per_request
+    return blocks_for_requests(max(cfg.concurrency),
+                               longest + cfg.max_tokens + cfg.num_speculative_tokens,
+                               block_size)
 
 
 def run_once(llm, prompts: list[dict], concurrency: int, max_tokens: int,

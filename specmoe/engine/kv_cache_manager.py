@@ -47,6 +47,15 @@ from specmoe.engine.block_pool import BlockHash, BlockPool, KVCacheBlock, check_
 _ROOT_HASH = bytes(32)
 
 
+LOOKAHEAD_SLOTS = 16  # slots beyond a request's tokens that a cache is sized for
+
+
+def blocks_for_requests(num_requests: int, tokens_per_request: int, block_size: int) -> int:
+    """Blocks that hold `num_requests` requests of `tokens_per_request` tokens each plus
+    LOOKAHEAD_SLOTS (room for a step's drafts), each request in whole blocks."""
+    return num_requests * -(-(tokens_per_request + LOOKAHEAD_SLOTS) // block_size)
+
+
 def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
     """The prefix-cache key of one full block: sha256(parent key || token ids as int64).
 

@@ -14,6 +14,7 @@ import torch
 from specmoe.config import (EngineConfig, ExpertParallelConfig, ModelConfig, SchedulerConfig,
                             SpeculativeConfig, parse_batch_size_table)
 from specmoe.engine.core import EngineCore
+from specmoe.engine.kv_cache_manager import blocks_for_requests
 from specmoe.engine.output_processor import OutputProcessor
 from specmoe.engine.validation import RequestValidator
 from specmoe.layers.moe.placement import CONTIGUOUS, read_placement
@@ -297,12 +298,12 @@ def _adaptive_policy(speculative: SpeculativeConfig | None, target: ModelRunner
 
 def _num_kv_blocks(cfg: SchedulerConfig, target: ModelRunner) -> int:
     """The configured block count, or as many blocks as `kv_cache_memory_bytes` holds, capped
-    at what max_num_seqs requests of max_model_len tokens (plus 16 lookahead slots) need."""
+    at what max_num_seqs requests of max_model_len tokens need (`blocks_for_requests`)."""
     if cfg.num_kv_blocks is not None:
         return cfg.num_kv_blocks
     per_block = PagedKVCache.bytes_per_block(target.arch, cfg.block_size, target.loaded.dtype)
     by_memory = cfg.kv_cache_memory_bytes // per_block
-    needed = cfg.max_num_seqs * -(-(target.max_model_len + 16) // cfg.block_size)
+    needed = blocks_for_requests(cfg.max_num_seqs, target.max_model_len, cfg.block_size)
     return max(1, min(by_memory, needed))
 
 
