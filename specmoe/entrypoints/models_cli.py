@@ -1,4 +1,5 @@
-"""`specmoe models`: install, list, carve models and measure a carved model's card."""
+"""`specmoe models`: install, list, carve models, measure a carved model's card, and write a
+study preset as a random-weight checkpoint."""
 
 from __future__ import annotations
 
@@ -14,6 +15,40 @@ def add_models_parser(sub) -> None:
     models_sub.add_parser("list", help="models, their roles and whether they are installed")
     add_carve_parser(models_sub)
     add_card_parser(models_sub)
+    add_synth_parser(models_sub)
+
+
+def add_synth_parser(models_sub) -> None:
+    from specmoe.analysis.presets import PRESETS
+    synth = models_sub.add_parser(
+        "synth", help="write a study preset as a random-weight HF checkpoint",
+        description="A MoE preset in Mixtral's layout (a dense one in Llama's) with seeded "
+                    "random weights and a borrowed tokenizer, loadable by every command "
+                    "(e.g. bench throughput --expert-parallel-size 2 on a MoE of real "
+                    "shape). DeepSeek-shaped presets are refused.")
+    synth.add_argument("preset", metavar="PRESET", choices=sorted(PRESETS),
+                       help=f"one of {sorted(PRESETS)}")
+    synth.add_argument("--out", required=True, help="output directory")
+    synth.add_argument("--tokenizer-from", default="tiny-moe",
+                       help="alias or HF directory whose tokenizer (and vocabulary size) "
+                            "the checkpoint takes (default tiny-moe)")
+    synth.add_argument("--seed", type=int, default=0)
+
+
+def cmd_synth(args) -> int:
+    from specmoe.analysis.preset_export import export_preset
+    from specmoe.analysis.presets import PRESETS
+    from specmoe.loader.aliases import resolve_model_path
+    preset = PRESETS[args.preset]
+    try:
+        src = resolve_model_path(args.tokenizer_from)
+        out = export_preset(preset, args.out, src, args.seed, progress=lambda layer: print(
+            f"layer {layer + 1}/{preset.num_layers} written", flush=True))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"specmoe: error: {exc}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
 
 
 def add_carve_parser(models_sub) -> None:
@@ -95,6 +130,8 @@ def cmd_models(args) -> int:
         return cmd_carve(args)
     if args.models_command == "card":
         return cmd_card(args)
+    if args.models_command == "synth":
+        return cmd_synth(args)
     from specmoe.carve.recipes import RECIPES
     recipes = [n for n in args.names if n in RECIPES]
     try:
