@@ -28,9 +28,9 @@ from specmoe.outputs import TokenLogprob
 from specmoe.request import Request
 from specmoe.sample.ops import compute_logprobs
 from specmoe.spec_decode.adaptive import AdaptivePolicy
-from specmoe.spec_decode.time_models import call_rows
 from specmoe.spec_decode.routing_overlap import RoutingSampler
 from specmoe.spec_decode.proposer import ProposeRequest
+from specmoe.spec_decode.time_models import call_rows
 from specmoe.utils.threads import make_thread_governor
 from specmoe.worker.model_runner import ModelRunner, SequenceInput
 
