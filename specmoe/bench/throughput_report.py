@@ -172,18 +172,22 @@ def policy_section(results: dict) -> list[str]:
     modes = list(by_mode)
     cs = sorted({int(c) for v in by_mode.values() for c in v})
     rows = {(r["concurrency"], r["mode"]): r for r in results["rows"] if r["num_reps"]}
+    adaptive = [m for m in modes if m.startswith("adaptive")]
     out = ["## Speculation policies", "",
            "Speculative tokens/s over plain tokens/s at the same C (median of the per-"
-           "repetition ratios); for adaptive, its mean K and share of (request, step) pairs "
-           "at K = 0.", "",
-           "| C | " + " | ".join(modes) + " | adaptive K mean / off |",
-           "|---" * (len(modes) + 2) + "|"]
+           "repetition ratios); for adaptive modes, the mean K and share of (request, step) "
+           "pairs at K = 0.", "",
+           "| C | " + " | ".join(modes) + "".join(f" | {m} K mean / off" for m in adaptive)
+           + " |", "|---" * (len(modes) + len(adaptive) + 1) + "|"]
     for c in cs:
-        a = rows.get((c, "adaptive"), {})
-        k = (f"{a['draft_k_mean']:.2f} / {100 * a['draft_k_zero_share']:.0f}%"
-             if a.get("draft_k_mean") is not None else "")
+        ks = []
+        for m in adaptive:
+            a = rows.get((c, m), {})
+            ks.append(f"{a['draft_k_mean']:.2f} / {100 * a['draft_k_zero_share']:.0f}%"
+                      if a.get("draft_k_mean") is not None else "")
         out.append(f"| {c} | " + " | ".join(_fmt_ratio(by_mode[m].get(str(c)))
-                                             for m in modes) + f" | {k} |")
+                                             for m in modes)
+                   + "".join(f" | {k}" for k in ks) + " |")
     t = results["ratios"].get("policy_targets")
     if t:
         errors = [r["step_time_prediction_error"] for r in rows.values()

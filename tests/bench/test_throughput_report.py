@@ -233,6 +233,7 @@ def test_policy_modes_are_compared_with_plain_and_the_best_static_k():
     assert a["step_time_prediction_error"] == pytest.approx(0.04)
     md = markdown(_results(runs) | {"rows": rows, "ratios": r})
     assert "## Speculation policies" in md
+    assert "| C | static:1 | static:4 | adaptive | adaptive K mean / off |" in md
     assert "| 1 | 1.20x | 1.50x | 1.47x | 1.00 / 75% |" in md
     assert "worst 0.99x) and >= 0.95x the best static K at every C (worst 0.98x): met" in md
     runs[-1]["tokens_per_s"] = 50  # adaptive at C=16, rep 1: 50 against plain's 35
