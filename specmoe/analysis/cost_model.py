@@ -13,9 +13,20 @@ rather than assumed. A forward of B requests with T tokens each (M = B T rows) s
   route to (the union a grouped forward reads; `routing_gen.expected_unique_experts`);
 - the LM head over all M rows.
 
-The matmul term, the KV term, a fixed per-forward overhead and a per-expert-call overhead get
+The matmul time splits at the probe's one-row time per byte tau(1): a memory part P s tau(1)
+(the weights streamed once) and a compute part P s (tau(m) - tau(1)), the time the rows add.
+They get separate coefficients because a model's layers stream their weights at a bandwidth
+the probe's pieces do not quite reach, while its compute-bound matmuls run at about the
+probe's rate. A per-row term (L M) prices the work outside the matmuls that every row does:
+norms, activations, RoPE, attention's queries, the logits' copy.
+
+These terms, the KV reads, a fixed per-forward overhead and a per-expert-call overhead get
 non-negative coefficients fitted by relative least squares (`CostModel.fit`) on the T = 1
-column only, so every T > 1 point (every verification) is predicted, not fitted.
+and T = 2 columns (`FIT_TOKENS`), so every T >= 3 point (a verification of K >= 2 drafts) is
+predicted, not fitted. T = 1 alone cannot tell per-request work (the KV term) from per-row
+work: at T = 1 both grow as B. A fit on it alone put the per-row work of the real
+Qwen2.5-Coder models on the KV term, which hardly grows with T, and underpredicted Tt(32, 9)
+by 38%; the T = 2 column separates the two.
 
 For contrast, the Amdahl-style estimate of the source analysis (DESIGN.md): the routed experts
 are the only part of Tt(B, 1) that grows with T, in proportion to the unique experts, and
@@ -39,7 +50,9 @@ from specmoe.layers.linear import linear
 
 PROBE_ROWS = [1, 2, 3, 4, 6, 8, 12, 16, 17, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512,
               768, 1024]
-FEATURES = ["matmul", "kv", "fixed", "expert_call"]
+FEATURES = ["matmul_memory", "matmul_compute", "rows", "kv", "fixed", "expert_call"]
+# The tokens per request of the grid points the coefficients are fitted on.
+FIT_TOKENS = (1, 2)
 
 
 @dataclass
@@ -85,6 +98,16 @@ class MachineProfile:
         return cls(1.0 / per_byte[0], stream, list(PROBE_ROWS), per_byte, dtype.itemsize,
                    probed)
 
+    @classmethod
+    def from_json(cls, data: dict) -> "MachineProfile":
+        """The profile `to_json` wrote (its derived `flops` dropped), under the roofline
+        envelope (a no-op on profiles `measure` made; profiles saved before it existed get
+        it too)."""
+        fields = {k: v for k, v in data.items() if k != "flops"}
+        fields["seconds_per_byte"] = roofline_envelope(fields["probe_rows"],
+                                                       fields["seconds_per_byte"])
+        return cls(**fields)
+
     def matmul_seconds(self, rows: float, num_params: float) -> float:
         """Seconds of an m-row matmul through num_params weights: the probed time per byte,
         interpolated linearly in m, extrapolated in proportion to m past the last probe."""
@@ -96,6 +119,11 @@ class MachineProfile:
         else:
             per_byte = float(np.interp(rows, self.probe_rows, self.seconds_per_byte))
         return per_byte * num_params * self.dtype_bytes
+
+    def memory_seconds(self, rows: float, num_params: float) -> float:
+        """The part of `matmul_seconds` that streams the weights once: the one-row time per
+        byte, for any rows > 0."""
+        return self.seconds_per_byte[0] * num_params * self.dtype_bytes if rows > 0 else 0.0
 
     @property
     def flops(self) -> list[float]:
@@ -234,23 +262,30 @@ class ShapeCounts:
 
 def features(shape: ShapeCounts, machine: MachineProfile, batch_size: int, num_tokens: int,
              context_len: int, unique_experts: float) -> np.ndarray:
-    """The cost model's terms for one (B, T), in the order of FEATURES:
-    [matmul seconds, KV-read seconds, 1, U L_moe expert calls] (L_moe: the MoE layers)."""
-    rows, mm = batch_size * num_tokens, machine.matmul_seconds
-    matmul = shape.num_layers * mm(rows, shape.attn_params) + mm(rows, shape.head_params)
-    per_layer = mm(rows, shape.mlp_params) if shape.mlp_params else 0.0
-    if shape.num_experts:
-        per_expert_rows = rows * shape.top_k / max(unique_experts, 1e-9)
-        per_layer += mm(rows, shape.router_params)
-        per_layer += unique_experts * mm(per_expert_rows, shape.expert_params)
-        matmul += shape.num_dense_layers * mm(rows, shape.dense_mlp_params)
-        matmul += shape.num_moe_layers * per_layer
-    else:
-        matmul += shape.num_layers * per_layer
+    """The cost model's terms for one (B, T), in the order of FEATURES: [matmul memory
+    seconds, matmul compute seconds, L M layer-rows, KV-read seconds, 1, U L_moe expert
+    calls] (L_moe: the MoE layers)."""
+    rows = batch_size * num_tokens
+    total = weight_seconds(shape, rows, unique_experts, machine.matmul_seconds)
+    memory = weight_seconds(shape, rows, unique_experts, machine.memory_seconds)
     kv = shape.num_layers * batch_size * (context_len + num_tokens) \
         * shape.kv_bytes_per_token / machine.bandwidth
     calls = shape.num_moe_layers * unique_experts
-    return np.array([matmul, kv, 1.0, calls])
+    return np.array([memory, max(total - memory, 0.0), float(shape.num_layers * rows), kv,
+                     1.0, calls])
+
+
+def weight_seconds(shape: ShapeCounts, rows: int, unique_experts: float, mm) -> float:
+    """Seconds of every matmul of one forward of `rows` rows, mm(rows, num_params) each."""
+    matmul = shape.num_layers * mm(rows, shape.attn_params) + mm(rows, shape.head_params)
+    per_layer = mm(rows, shape.mlp_params) if shape.mlp_params else 0.0
+    if not shape.num_experts:
+        return matmul + shape.num_layers * per_layer
+    per_expert_rows = rows * shape.top_k / max(unique_experts, 1e-9)
+    per_layer += mm(rows, shape.router_params)
+    per_layer += unique_experts * mm(per_expert_rows, shape.expert_params)
+    return (matmul + shape.num_dense_layers * mm(rows, shape.dense_mlp_params)
+            + shape.num_moe_layers * per_layer)
 
 
 @dataclass

@@ -11,8 +11,8 @@ For each target (a real MoE and a dense model of the same family, say) with one 
    the decode phase is timed (every request past its first token), so prompt prefill, which
    speculation does not change, does not dilute the speedup.
 3. Predictions of every measured speedup S(B, K) = plain tokens/s over speculative tokens/s:
-   from the measured forward times, from the cost model fitted on the T = 1 column of every
-   model (`cost_model`), and from the Amdahl estimate; each with the run's measured
+   from the measured forward times, from the cost model fitted on the T = 1 and T = 2
+   columns of every model (`cost_model`), and from the Amdahl estimate; each with the run's measured
    acceptance length AL(B, K) and the per-step engine time outside the forwards, measured on
    the plain runs only (so no speculative timing enters a prediction).
 
@@ -243,7 +243,8 @@ def run_real_study(cfg: RealStudyConfig, progress=None) -> dict:
 # ---- analysis: everything below works on the JSON of `run_real_study`, machine-free ----
 
 def fit_cost_model(results: dict, machine: cm.MachineProfile) -> tuple[cm.CostModel, dict]:
-    """The cost model fitted on the T = 1 points of every target and the draft; returns it
+    """The cost model fitted on the points of T in FIT_TOKENS of every target and the
+    draft; returns it
     and {(name, B, T): (ShapeCounts, measured point)} for every grid point."""
     ctx = results["config"]["context_len"]
     rows = {}
@@ -254,8 +255,8 @@ def fit_cost_model(results: dict, machine: cm.MachineProfile) -> tuple[cm.CostMo
         draft_shape = cm.ShapeCounts(**t["draft_arch"])
         for p in t["draft_points"]:
             rows["draft", p["B"], p["T"]] = (draft_shape, p)
-    base = [(s, p) for (_, _, tt), (s, p) in rows.items() if tt == 1]
-    feats = np.stack([cm.features(s, machine, p["B"], 1, ctx, p.get("unique_experts", 0.0))
+    base = [(s, p) for (_, _, tt), (s, p) in rows.items() if tt in cm.FIT_TOKENS]
+    feats = np.stack([cm.features(s, machine, p["B"], p["T"], ctx, p.get("unique_experts", 0.0))
                       for s, p in base])
     model = cm.CostModel.fit(feats, np.array([p["min_s"] for _, p in base]))
     return model, rows
@@ -332,10 +333,10 @@ def _errors(pred: list[float], measured: list[float]) -> dict:
 
 
 def _forward_errors(rows: list[dict]) -> dict:
-    """Cost model and Amdahl errors on Tt, per model, on the verification points (T >= 2)."""
+    """Cost model and Amdahl errors on Tt, per model, on the points outside the fit."""
     out = {}
     for name in dict.fromkeys(r["model"] for r in rows):
-        pts = [r for r in rows if r["model"] == name and r["T"] >= 2]
+        pts = [r for r in rows if r["model"] == name and r["T"] not in cm.FIT_TOKENS]
         if pts:
             measured = [r["measured_s"] for r in pts]
             out[name] = {"cost_model": _errors([r["predicted_s"] for r in pts], measured),
@@ -345,9 +346,11 @@ def _forward_errors(rows: list[dict]) -> dict:
 
 def _speedup_errors(rows: list[dict]) -> dict:
     """Median relative error of each prediction of S(B, K), per model and over all."""
+    unfit = f"all, K>={max(cm.FIT_TOKENS)}"  # verifications of T outside the cost model's fit
     out = {}
-    for scope in ["all", *dict.fromkeys(r["model"] for r in rows)]:
-        pts = [r for r in rows if scope in ("all", r["model"])]
+    for scope in ["all", unfit, *dict.fromkeys(r["model"] for r in rows)]:
+        pts = [r for r in rows if scope == "all" or scope == r["model"]
+               or (scope == unfit and r["K"] + 1 not in cm.FIT_TOKENS)]
         measured = [r["measured_speedup"] for r in pts]
         out[scope] = {label: _errors([r[f"{label}_speedup"] for r in pts], measured)
                       for label in ("forward_times", "cost_model", "amdahl")}

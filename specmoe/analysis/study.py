@@ -6,8 +6,8 @@ One run on this machine:
    dense with the MoE's active and total parameters; `presets`), MoE routing from a routing
    source (`routing_gen`, by default adjacent-token overlap 0.381), and the draft preset's
    Td(B, 1);
-3. fits the cost model on the T = 1 column and predicts every point, next to the Amdahl-style
-   estimate (`cost_model`);
+3. fits the cost model on the T = 1 and T = 2 columns (`cost_model.FIT_TOKENS`) and predicts
+   every point, next to the Amdahl-style estimate (`cost_model`);
 4. captures the learned routing of a real MoE on real prompts (the bundled tiny-moe) and
    analyses its overlap and unique experts against both independence baselines;
 5. synthesises S(B, K) from the measured costs and real acceptance lengths (`speedup`);
@@ -92,6 +92,10 @@ def _add_expected_unique(out: dict, preset: Preset, source, cfg: StudyConfig) ->
         p["uniform_unique_experts"] = expected_unique_experts(uniform, p["B"], p["T"], rng)
 
 
+# The error scope of the grid points outside the cost model's fit.
+PREDICTED = f"predicted (T>={max(cm.FIT_TOKENS) + 1})"
+
+
 def measure_draft(cfg: StudyConfig, device: str, on_point=None) -> dict:
     """Td(B, 1) of the draft preset at every B."""
     draft = PRESETS["draft"].scaled(cfg.scale_layers)
@@ -100,7 +104,7 @@ def measure_draft(cfg: StudyConfig, device: str, on_point=None) -> dict:
 
 def fit_and_predict(presets: dict[str, dict], machine: cm.MachineProfile,
                     context_len: int) -> dict:
-    """Fit the cost model on every preset's T = 1 points, predict all points, add the
+    """Fit the cost model on every preset's points of T in FIT_TOKENS, predict all, add the
     Amdahl estimate; errors are relative to the minimum measured time."""
     rows = []
     for name, res in presets.items():
@@ -109,10 +113,10 @@ def fit_and_predict(presets: dict[str, dict], machine: cm.MachineProfile,
             u = p.get("expected_unique_experts", 0.0)
             rows.append((name, shape, p, cm.features(shape, machine, p["B"], p["T"],
                                                      context_len, u)))
-    base = [r for r in rows if r[2]["T"] == 1]
+    base = [r for r in rows if r[2]["T"] in cm.FIT_TOKENS]
     model = cm.CostModel.fit(np.stack([r[3] for r in base]),
                              np.array([r[2]["min_s"] for r in base]))
-    t_one = {(n, p["B"]): p for n, _, p, _ in base}
+    t_one = {(n, p["B"]): p for n, _, p, _ in base if p["T"] == 1}
     for name, shape, p, feats in rows:
         p["predicted_s"] = float(model.predict(feats)[0])
         one = t_one[name, p["B"]]
@@ -124,10 +128,11 @@ def fit_and_predict(presets: dict[str, dict], machine: cm.MachineProfile,
 
 
 def _error_summary(presets: dict[str, dict]) -> dict:
-    """Median and max relative errors of both models: every point, and T >= 2 (the
-    verification points, none of them fitted), per preset and overall."""
+    """Median and max relative errors of both models, per preset and overall: every point,
+    the verification points (T >= 2), and the points outside the cost model's fit."""
     out = {}
-    scopes = {"all": lambda p: True, "verification (T>=2)": lambda p: p["T"] >= 2}
+    scopes = {"all": lambda p: True, "verification (T>=2)": lambda p: p["T"] >= 2,
+              PREDICTED: lambda p: p["T"] not in cm.FIT_TOKENS}
     for scope, keep in scopes.items():
         for label, key in (("cost_model", "predicted_s"), ("amdahl", "amdahl_s")):
             per_preset = {}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from specmoe.analysis.cost_model import FEATURES
+from specmoe.analysis.cost_model import FEATURES, FIT_TOKENS
 from specmoe.analysis.presets import EXPERT_WIDTH, PRESETS, TARGET_PRESETS, Preset
 from specmoe.analysis.speedup import load_acceptance_lengths
 
@@ -111,10 +111,13 @@ class StudyConfig:
         if 1 not in self.num_tokens or max(self.num_tokens) < 2:
             raise ValueError(f"invalid num_tokens={self.num_tokens}: must include 1 (the "
                              "baseline) and a T >= 2 (a verification)")
-        if len(self.presets) * len(self.batch_sizes) < len(FEATURES):
+        fit_points = len(self.presets) * len(self.batch_sizes) \
+            * len(set(FIT_TOKENS) & set(self.num_tokens))
+        if fit_points < len(FEATURES):
             raise ValueError(f"{len(self.presets)} presets x {len(self.batch_sizes)} batch "
-                             f"sizes give too few T=1 points to fit the cost model's "
-                             f"{len(FEATURES)} coefficients: need at least {len(FEATURES)}")
+                             f"sizes x T in {list(FIT_TOKENS)} give {fit_points} points to "
+                             f"fit the cost model's {len(FEATURES)} coefficients: need at "
+                             f"least {len(FEATURES)}")
 
     def _check_numbers(self) -> None:
         checks = {"reps": self.reps >= 1, "context_len": self.context_len >= 0,

@@ -4,6 +4,8 @@ use too: `study_report` imports this module, never the reverse."""
 
 from __future__ import annotations
 
+from specmoe.analysis.study import PREDICTED
+
 NON_MONOTONIC_MARGIN = 0.03  # a rise then a fall of at least 3% counts as non-monotonic
 FINDING_K = 4  # the K whose verification ratio Tt(B, K+1)/Tt(B, 1) the findings compare
 
@@ -173,16 +175,16 @@ def _shape(s: list[float], batch_sizes: list[int]) -> str:
 def _model_accuracy(fit: dict) -> list[str]:
     e = fit["errors"]
     ours, amdahl = e["all"]["cost_model"]["median"], e["verification (T>=2)"]["amdahl"]["median"]
-    held_out = e["verification (T>=2)"]["cost_model"]["median"]
+    held_out = e[PREDICTED]["cost_model"]["median"]
     verdict = ("meets the 10% target on both" if max(ours, held_out) <= 0.10 else
-               "misses the 10% target" + (" on the verification points" if ours <= 0.10
+               "misses the 10% target" + (" on the predicted points" if ours <= 0.10
                                           else ""))
     out = [f"- The cost model's median error is {ours:.1%} over the whole grid and "
-           f"{held_out:.1%} over the verification points (T >= 2, none used in the fit): it "
+           f"{held_out:.1%} over the points it did not fit ({PREDICTED}): it "
            f"{verdict}. The Amdahl-style estimate's median error on the verification points "
            f"is {amdahl:.1%} (at T = 1 it is exact by construction)."]
     zero = [k for k, v in fit["coefficients"].items() if v == 0.0]
     if zero:
         out.append(f"- The fit set these cost-model terms to zero: {', '.join(zero)} (they "
-                   "did not help explain the T = 1 timings on this machine).")
+                   "did not help explain the fitted timings on this machine).")
     return out

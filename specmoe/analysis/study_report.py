@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from specmoe.analysis.cost_model import FIT_TOKENS
 from specmoe.analysis.study_findings import (finding_tokens, findings, shape_extras,
                                               sparsity, verification_ratio)
 
@@ -95,7 +96,7 @@ def cost_model_lines(fit: dict) -> list[str]:
               + "; ".join(f"{n} {e:.1%} / {fit['errors']['all']['amdahl']['per_preset_median'][n]:.1%}"
                           for n, e in fit["errors"]["all"]["cost_model"]["per_preset_median"]
                           .items()) + ".",
-              "", "Fitted coefficients (fitted on the T = 1 column only): "
+              "", f"Fitted coefficients (fitted on T in {list(FIT_TOKENS)}): "
               + ", ".join(f"{k} {v:.3g}" for k, v in fit["coefficients"].items()) + "."]
     return lines
 

@@ -89,6 +89,9 @@ def add_study_parser(sub) -> None:
             f"--{k.replace('_', '-')} {_show(v)}" for k, v in _real_defaults().items()) + ")")
     real.add_argument("--models", type=comma_list(), default=None,
                       help="real target models, e.g. qwen2.5-coder-1.5b-moe,qwen2.5-coder-1.5b")
+    real.add_argument("--reanalyse", default=None, metavar="RESULTS_JSON",
+                      help="measure nothing: refit the cost model on a saved real-model "
+                           "study's results.json and rewrite its report in --out")
     real.add_argument("--draft", default=None, help="the draft paired with every target")
     real.add_argument("--ks", type=comma_list(int), default=None,
                       help="K of the end-to-end speculative runs")
@@ -169,8 +172,32 @@ def cmd_real_study(args) -> int:
     return 0
 
 
+def cmd_reanalyse(args) -> int:
+    """The real-model study's analysis and report from a saved results.json.
+
+    Raises:
+        ValueError: the file is not a real-model study's results.json.
+    """
+    import json
+    from pathlib import Path
+
+    from specmoe.analysis.real_study import analyse
+    from specmoe.analysis.real_study_report import write_real_outputs
+    results = json.loads(Path(args.reanalyse).read_text())
+    if not isinstance(results, dict) or not {"targets", "machine", "config"} <= set(results):
+        raise ValueError(f"--reanalyse {args.reanalyse}: not the results.json of a "
+                         "real-model study (specmoe study --models ...)")
+    results["analysis"] = analyse(results, st.cm.MachineProfile.from_json(results["machine"]))
+    out = prepare_out_dir(args.out)
+    write_real_outputs(results, out)
+    Console(stderr=True).print(f"report: {out / 'report.md'}")
+    return 0
+
+
 def cmd_study(args) -> int:
     apply_threads(args)
+    if args.reanalyse:
+        return cmd_reanalyse(args)
     if args.models:
         return cmd_real_study(args)
     cfg = config_from_args(args)

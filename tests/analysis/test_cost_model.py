@@ -38,26 +38,32 @@ def test_moe_features_by_hand():
     attn, router = 2 * 1000 * 2e-9, 2 * 40 * 2e-9
     experts = 3 * 2 * 500 * (4 / 3) * 1e-9
     head = 2 * 2000 * 2e-9
-    assert f[0] == pytest.approx(2 * (attn + router + experts) + head)
-    assert f[1] == pytest.approx(2 * 2 * (10 + 1) * 8 / 1e9)   # layers x B x positions x bytes
-    assert f[2] == 1.0
-    assert f[3] == 2 * 3                                         # layers x unique experts
+    assert f[0] + f[1] == pytest.approx(2 * (attn + router + experts) + head)
+    # the memory part streams every weight once at the one-row time per byte (1e-9 s)
+    assert f[0] == pytest.approx(2 * 2 * (1000 + 40 + 3 * 500) * 1e-9 + 2 * 2000 * 1e-9)
+    assert f[2] == 2 * 2                                         # layers x rows
+    assert f[3] == pytest.approx(2 * 2 * (10 + 1) * 8 / 1e9)   # layers x B x positions x bytes
+    assert f[4] == 1.0
+    assert f[5] == 2 * 3                                         # layers x unique experts
     assert len(f) == len(cm.FEATURES)
 
 
 def test_dense_features_by_hand():
     # B=4, T=8: 32 rows through every weight.
     f = cm.features(DENSE, MACHINE, 4, 8, context_len=0, unique_experts=0)
-    assert f[0] == pytest.approx(2 * 2 * (1000 + 1500) * 32e-9 + 2 * 2000 * 32e-9)
-    assert f[1] == pytest.approx(2 * 4 * 8 * 8 / 1e9)
-    assert f[3] == 0.0
+    assert f[0] + f[1] == pytest.approx(2 * 2 * (1000 + 1500) * 32e-9 + 2 * 2000 * 32e-9)
+    assert f[1] == pytest.approx(31 * f[0])  # 32 rows cost 32x the one-row stream here
+    assert f[2] == 2 * 32
+    assert f[3] == pytest.approx(2 * 4 * 8 * 8 / 1e9)
+    assert f[5] == 0.0
 
 
 def test_fit_recovers_known_nonnegative_coefficients():
     rng = np.random.default_rng(0)
-    feats = np.column_stack([rng.uniform(0.01, 0.1, 20), rng.uniform(0, 0.01, 20),
-                             np.ones(20), rng.uniform(0, 500, 20)])
-    truth = np.array([1.3, 2.0, 0.004, 2e-5])
+    feats = np.column_stack([rng.uniform(0.01, 0.1, 20), rng.uniform(0, 0.1, 20),
+                             rng.uniform(0, 500, 20), rng.uniform(0, 0.01, 20), np.ones(20),
+                             rng.uniform(0, 500, 20)])
+    truth = np.array([0.7, 1.1, 3e-5, 2.0, 0.004, 2e-5])
     model = cm.CostModel.fit(feats, feats @ truth)
     assert np.allclose(model.coefficients, truth, rtol=1e-6)
     assert np.allclose(model.predict(feats), feats @ truth)
@@ -65,10 +71,10 @@ def test_fit_recovers_known_nonnegative_coefficients():
 
 
 def test_fit_keeps_coefficients_nonnegative_and_needs_enough_points():
-    feats = np.column_stack([np.linspace(1, 2, 6), np.ones(6), np.ones(6), np.ones(6)])
-    model = cm.CostModel.fit(feats, np.linspace(1, 2, 6) * 0.5 - 0.1)
+    feats = np.column_stack([np.linspace(1, 2, 8)] + [np.ones(8)] * 5)
+    model = cm.CostModel.fit(feats, np.linspace(1, 2, 8) * 0.5 - 0.1)
     assert min(model.coefficients) >= 0.0
-    with pytest.raises(ValueError, match="4 coefficients to 3 points"):
+    with pytest.raises(ValueError, match="6 coefficients to 3 points"):
         cm.CostModel.fit(feats[:3], np.ones(3))
 
 
@@ -113,8 +119,9 @@ def test_shared_expert_runs_for_every_row_beside_the_routed_ones():
                     unique_experts=3)
     base = cm.features(MOE, MACHINE, batch_size=2, num_tokens=1, context_len=10,
                        unique_experts=3)
-    assert f[0] - base[0] == pytest.approx(2 * 300 * 2 * 2e-9)  # L x (rows at B=2) x bytes
-    assert f[1:].tolist() == base[1:].tolist()
+    # L x (rows at B=2) x bytes
+    assert f[0] + f[1] - base[0] - base[1] == pytest.approx(2 * 300 * 2 * 2e-9)
+    assert f[2:].tolist() == base[2:].tolist()
     # the Amdahl estimate counts the shared expert among the bytes that do not grow with T
     assert cm.amdahl_estimate(shared, 0.01, 2, 3, 1, 10) < cm.amdahl_estimate(MOE, 0.01, 2, 3,
                                                                               1, 10)
@@ -158,3 +165,31 @@ def test_probe_interleaves_row_counts_and_keeps_each_minimum(monkeypatch):
                         or next(times))
     assert cm._probe_rows([], [1, 8], repeats=3) == [3.0, 2.0]
     assert calls == [1, 8, 1, 8, 1, 8]
+
+
+def test_fit_on_two_token_counts_tells_per_row_from_per_request_work():
+    """At T = 1 per-row work and KV reads both grow as B; only the T = 2 column separates
+    them. Timings with both kinds of work are predicted at T = 8 by the fit on FIT_TOKENS;
+    a fit on T = 1 alone explains its own points but puts the work on the wrong term."""
+    machine = cm.MachineProfile(1e9, 1e9, [1, 1024], [1e-9, 1e-9])  # memory-bound throughout
+    per_row, per_kv = 1e-4, 200.0  # seconds per layer-row; attention cost per KV-read second
+
+    def timing(b, t):
+        f = cm.features(DENSE, machine, b, t, context_len=64, unique_experts=0)
+        return f[0] + f[1] + per_row * f[2] + per_kv * f[3] + 1e-3
+
+    grid = [(b, t) for b in (1, 2, 4, 8, 16, 32) for t in (1, 2, 8)]
+    feats = {p: cm.features(DENSE, machine, *p, context_len=64, unique_experts=0)
+             for p in grid}
+
+    def fitted(ts):
+        pts = [p for p in grid if p[1] in ts]
+        return cm.CostModel.fit(np.stack([feats[p] for p in pts]),
+                                np.array([timing(*p) for p in pts]))
+
+    assert cm.FIT_TOKENS == (1, 2)
+    model = fitted(cm.FIT_TOKENS)
+    assert model.predict(feats[16, 8])[0] == pytest.approx(timing(16, 8), rel=1e-3)
+    t_one = fitted((1,))
+    assert t_one.predict(feats[16, 1])[0] == pytest.approx(timing(16, 1), rel=1e-3)
+    assert abs(t_one.predict(feats[16, 8])[0] / timing(16, 8) - 1) > 0.1

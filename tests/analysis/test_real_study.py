@@ -112,6 +112,26 @@ def test_forward_time_prediction_is_exact_when_the_algebra_holds():
     assert "## Answers" in report and "B=1" in report and "4 of 4" in report
 
 
+def test_reanalyse_refits_a_saved_run_without_measuring(tmp_path, capsys):
+    from specmoe.entrypoints.cli import main
+    results, machine = _synthetic_results()
+    saved = tmp_path / "results.json"
+    saved.write_text(json.dumps(results))
+    out = tmp_path / "refit"
+    assert main(["study", "--reanalyse", str(saved), "--out", str(out)]) == 0
+    refit = json.loads((out / "results.json").read_text())
+    assert refit["analysis"]["speedups"] == analyse(results, machine)["speedups"]
+    assert refit["targets"] == results["targets"]
+    assert "fitted on T in [1, 2]" in (out / "report.md").read_text()
+    # a preset study's results.json is refused by name, and nothing is written
+    other = tmp_path / "presets.json"
+    other.write_text(json.dumps({"presets": {}, "machine": {}}))
+    assert main(["study", "--reanalyse", str(other), "--out", str(tmp_path / "x")]) == 2
+    assert f"--reanalyse {other}: not the results.json of a real-model study" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
 @pytest.mark.slow
 def test_cli_runs_the_real_study_on_the_tiny_pair(tmp_path):
     from specmoe.entrypoints.cli import main

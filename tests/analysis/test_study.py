@@ -125,7 +125,7 @@ def test_a_trace_of_another_shape_gets_a_preset_of_its_shape(tmp_path):
     (["--reps", "0"], "reps=0"),
     (["--seed", "-1"], "seed=-1"),
     (["--device", "tpu"], "device='tpu'"),
-    (["--presets", "moe-8x2", "--batch-sizes", "1,2"], "too few T=1 points"),
+    (["--presets", "moe-8x2", "--batch-sizes", "1,2"], "points to fit the cost model"),
     (["--acceptance", "1=1.5", "--num-tokens", "1,3"], "measures no T = K + 1"),
     (["--acceptance", "1=1.5", "--acceptance-json", "x.json"], "not both"),
     (["--acceptance-json", "/nonexistent/results.json"], "does not exist"),
