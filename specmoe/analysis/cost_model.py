@@ -53,6 +53,8 @@ PROBE_ROWS = [1, 2, 3, 4, 6, 8, 12, 16, 17, 24, 32, 48, 64, 96, 128, 192, 256, 3
 FEATURES = ["matmul_memory", "matmul_compute", "rows", "kv", "fixed", "expert_call"]
 # The tokens per request of the grid points the coefficients are fitted on.
 FIT_TOKENS = (1, 2)
+# The error scope of the grid points outside the fit.
+PREDICTED = f"predicted (T>={max(FIT_TOKENS) + 1})"
 
 
 @dataclass

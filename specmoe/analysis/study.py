@@ -92,10 +92,6 @@ def _add_expected_unique(out: dict, preset: Preset, source, cfg: StudyConfig) ->
         p["uniform_unique_experts"] = expected_unique_experts(uniform, p["B"], p["T"], rng)
 
 
-# The error scope of the grid points outside the cost model's fit.
-PREDICTED = f"predicted (T>={max(cm.FIT_TOKENS) + 1})"
-
-
 def measure_draft(cfg: StudyConfig, device: str, on_point=None) -> dict:
     """Td(B, 1) of the draft preset at every B."""
     draft = PRESETS["draft"].scaled(cfg.scale_layers)
@@ -132,7 +128,7 @@ def _error_summary(presets: dict[str, dict]) -> dict:
     the verification points (T >= 2), and the points outside the cost model's fit."""
     out = {}
     scopes = {"all": lambda p: True, "verification (T>=2)": lambda p: p["T"] >= 2,
-              PREDICTED: lambda p: p["T"] not in cm.FIT_TOKENS}
+              cm.PREDICTED: lambda p: p["T"] not in cm.FIT_TOKENS}
     for scope, keep in scopes.items():
         for label, key in (("cost_model", "predicted_s"), ("amdahl", "amdahl_s")):
             per_preset = {}

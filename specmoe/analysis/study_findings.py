@@ -4,7 +4,7 @@ use too: `study_report` imports this module, never the reverse."""
 
 from __future__ import annotations
 
-from specmoe.analysis.study import PREDICTED
+from specmoe.analysis.cost_model import PREDICTED
 
 NON_MONOTONIC_MARGIN = 0.03  # a rise then a fall of at least 3% counts as non-monotonic
 FINDING_K = 4  # the K whose verification ratio Tt(B, K+1)/Tt(B, 1) the findings compare
