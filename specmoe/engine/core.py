@@ -300,10 +300,10 @@ class EngineCore:
                                   self._pending_tokens(live))
 
     def _pending_tokens(self, reqs: list[Request]) -> list[int] | None:
-        """Per request, the tokens the draft model's cache lacks (its catch-up), where the
-        adaptive policy prices drafting by rows and the proposer keeps a cache."""
+        """Per request, the tokens the draft model's cache lacks (its catch-up), where an
+        adaptive policy runs and the proposer keeps a cache."""
         pending = getattr(self.proposer, "pending_tokens", None)
-        if pending is None or self.policy is None or not self.policy.s.draft_rows_model:
+        if pending is None or self.policy is None:
             return None
         return [pending(req.request_id, req.num_tokens) for req in reqs]
 

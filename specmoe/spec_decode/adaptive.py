@@ -37,7 +37,11 @@ second (the choice in `spec_decode.choice`, the time models in `spec_decode.time
   staggered probes would run it on nearly every step). A probe costs a draft catch-up, a
   few target steps' worth on a small target, so each probe after which the batch stays off
   doubles the interval, up to `probe_every_max` steps; a solve that turns speculation on
-  resets it (exponential backoff, as for retries).
+  resets it (exponential backoff, as for retries). Where the catch-ups are known (a draft
+  model's cache), a probe takes the held requests with the least catch-up first, up to
+  `probe_catch_up_rows` catch-up tokens in all (at least one request): probing sixteen
+  requests held since their prompts ran their whole prompts through the draft, 10% of a
+  32-token run of the Qwen2.5-Coder pair at 16 requests.
 - Speculation off: once the choice is K = 0 for every request, the same batch keeps K = 0
   (probes aside) without re-solving until a probe's results are in, the batch changes or
   `recheck_every` steps have passed (nothing else informs the choice while no request
@@ -73,6 +77,7 @@ class AdaptiveSettings:
     min_fit_steps: int = 8
     draft_rows_model: bool = False  # price drafting by its forwards' rows (DraftTimeModel)
     catch_up_horizon: int = 16  # steps a resuming request's catch-up is spread over
+    probe_catch_up_rows: int = 128  # catch-up tokens one probe may run through the draft
     num_experts: int = 0  # a MoE target's routed experts N and top-k (0: dense)
     top_k: int = 0
     overlap_prior: float = 0.4  # adjacent-token overlap until one is measured
@@ -118,6 +123,18 @@ class AcceptanceTracker:
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+
+
+def cheapest(chosen: list[bool], costs: list[int], budget: int) -> list[bool]:
+    """Of the chosen entries, those of least cost, in ascending order while their costs sum
+    to at most `budget`, and always the cheapest one."""
+    keep = [False] * len(chosen)
+    spent = 0
+    for i in sorted((i for i, c in enumerate(chosen) if c), key=costs.__getitem__):
+        if spent and spent + costs[i] > budget:
+            break
+        keep[i], spent = True, spent + costs[i]
+    return keep
 
 
 def _running_mean(mean: float, count: int, value: float) -> float:
@@ -209,12 +226,12 @@ class AdaptivePolicy:
             # Python (a numpy call costs microseconds, a small target's step a millisecond)
             self._off = (batch, off[1] + 1)
             self.predicted_step_s = self._predict_off(base_rows, len(batch))
-            return self._keep(request_ids, [0] * len(batch), caps)
+            return self._keep(request_ids, [0] * len(batch), caps, pending)
         caps_a = np.minimum(np.asarray(caps, dtype=np.int64), self.s.max_k)
         ks = self._solve(request_ids, caps_a, base_rows, pending)
         self._off = (batch, 1) if not ks.any() else None
         self._back_off(bool(ks.any()))
-        return self._keep(request_ids, ks.tolist(), caps)
+        return self._keep(request_ids, ks.tolist(), caps, pending)
 
     def _back_off(self, speculating: bool) -> None:
         """Double the probe interval when the solve after a probe keeps every request at
@@ -225,10 +242,10 @@ class AdaptivePolicy:
             self.probe_interval = min(2 * self.probe_interval, self.s.probe_every_max)
         self._probed = False
 
-    def _keep(self, request_ids: list[str], ks: list[int], caps: list[int]
-              ) -> dict[str, int]:
+    def _keep(self, request_ids: list[str], ks: list[int], caps: list[int],
+              pending: list[int] | None = None) -> dict[str, int]:
         """The chosen Ks with this step's probes, remembered for the hysteresis."""
-        self._previous = dict(zip(request_ids, self._probe(ks, caps)))
+        self._previous = dict(zip(request_ids, self._probe(ks, caps, pending)))
         return dict(self._previous)
 
     def _solve(self, request_ids: list[str], caps_a: np.ndarray, base_rows: int,
@@ -283,9 +300,11 @@ class AdaptivePolicy:
             self._miss_cache = (self.overlap, miss, miss.tolist())
         return self._miss_cache[1]
 
-    def _probe(self, ks: list[int], caps: list[int]) -> list[int]:
-        """Every `probe_interval` steps with a request held at K = 0, all of them draft
-        one."""
+    def _probe(self, ks: list[int], caps: list[int], pending: list[int] | None = None
+               ) -> list[int]:
+        """Every `probe_interval` steps with a request held at K = 0, they draft one: all
+        of them, or with `pending` catch-ups those of least catch-up within
+        `probe_catch_up_rows`."""
         idle = [k == 0 and c > 0 for k, c in zip(ks, caps)]
         if not any(idle):
             self._since_probe = 0
@@ -296,6 +315,8 @@ class AdaptivePolicy:
         self._since_probe = 0
         self._probed = True
         self.predicted_step_s = None  # the prediction was for the Ks without the probes
+        if pending is not None:
+            idle = cheapest(idle, pending, self.s.probe_catch_up_rows)
         return [1 if i else k for k, i in zip(ks, idle)]
 
     def forget(self, request_id: str) -> None:

@@ -170,6 +170,25 @@ def test_requests_held_at_zero_probe_on_the_same_step(monkeypatch):
     assert len(solves) == 5  # re-solved once recheck_every steps have passed
 
 
+def test_a_probe_with_known_catch_ups_takes_the_cheapest_within_its_budget():
+    """A draft model must first run a held request's unseen tokens: a probe takes the held
+    requests of least catch-up while they fit `probe_catch_up_rows`, and always one."""
+    p = AdaptivePolicy(AdaptiveSettings(max_k=4, probe_every=2, probe_every_max=2,
+                                        probe_catch_up_rows=100))
+    _calibrated(p, 0.0, 0.001)  # compute-bound: every request held at K = 0
+    ids, caps = ["a", "b", "c", "d", "e"], [4, 4, 4, 0, 4]
+    pending = [300, 40, 50, 1, 20]  # d may not draft (cap 0)
+    assert sum(p.choose(ids, caps, 5, pending).values()) == 0
+    assert p.choose(ids, caps, 5, pending) == {"a": 0, "b": 1, "c": 0, "d": 0, "e": 1}
+    p.choose(ids, caps, 5, [300, 400, 500, 1, 200])
+    # over budget on its own: the cheapest alone
+    assert p.choose(ids, caps, 5, [300, 400, 500, 1, 200]) == {
+        "a": 0, "b": 0, "c": 0, "d": 0, "e": 1}
+    # without catch-ups (n-gram drafting costs no draft forward) every held request probes
+    p.choose(ids, caps, 5)
+    assert p.choose(ids, caps, 5) == {"a": 1, "b": 1, "c": 1, "d": 0, "e": 1}
+
+
 # ---- MoE targets: the step time follows the experts the windows touch ----
 
 from specmoe.spec_decode.routing_overlap import (miss_log, segment_overlap,  # noqa: E402
