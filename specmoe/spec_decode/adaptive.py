@@ -31,9 +31,11 @@ second (the choice in `spec_decode.choice`, the time models in `spec_decode.time
   cost of its own, and the prefix is then a greedy approximation.)
 - Hysteresis: the previous step's Ks stay unless the new choice is predicted `hysteresis`
   faster. Re-probing: after `probe_every` steps in which some request is held at K = 0, all
-  such requests draft one token on the same step, so their acceptance estimates stay
-  current and speculation returns where it would pay; probing them together runs the draft
-  model once for the batch (a draft model must first catch up on the request's tokens, so
+  such requests draft their own K (at most K_max) on the same step: a probe of one token
+  would only ever re-measure the first position, leaving a poor early estimate of the deeper
+  ones in place for good. Probing together keeps their acceptance estimates current, so
+  speculation returns where it would pay, and runs the draft model once for the batch (a
+  draft model must first catch up on the request's tokens, so
   staggered probes would run it on nearly every step). A probe costs a draft catch-up, a
   few target steps' worth on a small target, so each probe after which the batch stays off
   doubles the interval, up to `probe_every_max` steps; a solve that turns speculation on
@@ -302,12 +304,13 @@ class AdaptivePolicy:
 
     def _probe(self, ks: list[int], caps: list[int], pending: list[int] | None = None
                ) -> list[int]:
-        """Every `probe_interval` steps with a request held at K = 0, they draft one: all
-        of them, or with `pending` catch-ups those of least catch-up within
-        `probe_catch_up_rows`."""
+        """Every `probe_interval` steps with a request held at K = 0, they draft their cap
+        (at most K_max): all of them, or with `pending` catch-ups those of least catch-up
+        within `probe_catch_up_rows`."""
         idle = [k == 0 and c > 0 for k, c in zip(ks, caps)]
         if not any(idle):
-            self._since_probe = 0
+            if any(ks):  # speculating; a step where no request may draft (its last
+                self._since_probe = 0  # token) leaves the count: short requests still probe
             return ks
         self._since_probe += 1
         if self._since_probe < self.probe_interval:
@@ -317,7 +320,7 @@ class AdaptivePolicy:
         self.predicted_step_s = None  # the prediction was for the Ks without the probes
         if pending is not None:
             idle = cheapest(idle, pending, self.s.probe_catch_up_rows)
-        return [1 if i else k for k, i in zip(ks, idle)]
+        return [min(c, self.s.max_k) if i else k for k, c, i in zip(ks, caps, idle)]
 
     def forget(self, request_id: str) -> None:
         self.acceptance.forget(request_id)

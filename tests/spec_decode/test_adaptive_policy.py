@@ -130,8 +130,10 @@ def test_policy_uses_own_k_until_calibrated_then_chooses_and_holds():
 def test_requests_held_at_zero_are_reprobed():
     p = AdaptivePolicy(AdaptiveSettings(max_k=4, probe_every=3, probe_every_max=3))
     _calibrated(p, 0.0, 0.001)  # compute-bound: speculation never pays
-    chosen = [p.choose(["a"], [4], 1)["a"] for _ in range(9)]
-    assert chosen == [0, 0, 1, 0, 0, 1, 0, 0, 1]
+    chosen = [p.choose(["a"], [3], 1)["a"] for _ in range(9)]
+    assert chosen == [0, 0, 3, 0, 0, 3, 0, 0, 3]  # a probe drafts the request's own K
+    assert p.choose(["b"], [8], 1) == {"b": 0} and p.choose(["b"], [8], 1) == {"b": 0}
+    assert p.choose(["b"], [8], 1) == {"b": 4}  # at most K_max
 
 
 def test_probes_back_off_while_they_find_nothing_and_reset_once_speculation_pays():
@@ -162,8 +164,8 @@ def test_requests_held_at_zero_probe_on_the_same_step(monkeypatch):
     steps = [p.choose(["a"], [4], 1), p.choose(["a"], [4], 1),
              p.choose(["a", "b"], [4, 4], 2), p.choose(["a", "b"], [4, 4], 2),
              p.choose(["a", "b"], [4, 4], 2), p.choose(["a", "b", "c"], [4, 4, 0], 3)]
-    assert [sum(s.values()) for s in steps] == [0, 0, 0, 2, 0, 0]  # a and b at step 4
-    assert steps[3] == {"a": 1, "b": 1}
+    assert [sum(s.values()) for s in steps] == [0, 0, 0, 8, 0, 0]  # a and b at step 4
+    assert steps[3] == {"a": 4, "b": 4}
     assert len(solves) == 4  # step 1, the batch growing at steps 3 and 6, after the probe
     for _ in range(5):
         p.choose(["a", "b", "c"], [4, 4, 0], 3)
@@ -179,14 +181,14 @@ def test_a_probe_with_known_catch_ups_takes_the_cheapest_within_its_budget():
     ids, caps = ["a", "b", "c", "d", "e"], [4, 4, 4, 0, 4]
     pending = [300, 40, 50, 1, 20]  # d may not draft (cap 0)
     assert sum(p.choose(ids, caps, 5, pending).values()) == 0
-    assert p.choose(ids, caps, 5, pending) == {"a": 0, "b": 1, "c": 0, "d": 0, "e": 1}
+    assert p.choose(ids, caps, 5, pending) == {"a": 0, "b": 4, "c": 0, "d": 0, "e": 4}
     p.choose(ids, caps, 5, [300, 400, 500, 1, 200])
     # over budget on its own: the cheapest alone
     assert p.choose(ids, caps, 5, [300, 400, 500, 1, 200]) == {
-        "a": 0, "b": 0, "c": 0, "d": 0, "e": 1}
+        "a": 0, "b": 0, "c": 0, "d": 0, "e": 4}
     # without catch-ups (n-gram drafting costs no draft forward) every held request probes
     p.choose(ids, caps, 5)
-    assert p.choose(ids, caps, 5) == {"a": 1, "b": 1, "c": 1, "d": 0, "e": 1}
+    assert p.choose(ids, caps, 5) == {"a": 4, "b": 4, "c": 4, "d": 0, "e": 4}
 
 
 # ---- MoE targets: the step time follows the experts the windows touch ----
