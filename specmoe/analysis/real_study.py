@@ -12,9 +12,9 @@ For each target (a real MoE and a dense model of the same family, say) with one 
    speculation does not change, does not dilute the speedup.
 3. Predictions of every measured speedup S(B, K) = plain tokens/s over speculative tokens/s:
    from the measured forward times, from the cost model fitted on the T = 1 and T = 2
-   columns of every model (`cost_model`), and from the Amdahl estimate; each with the run's measured
-   acceptance length AL(B, K) and the per-step engine time outside the forwards, measured on
-   the plain runs only (so no speculative timing enters a prediction).
+   columns of every model (`cost_model`), and from the Amdahl estimate; each with the run's
+   measured acceptance length AL(B, K) and the per-step engine time outside the forwards,
+   measured on the plain runs only (so no speculative timing enters a prediction).
 
 The speedup algebra (Leviathan et al. 2023, arXiv 2211.17192, sec. 3.4; MoESD, arXiv
 2505.19645) with the engine's own per-step time o(B) added to both sides:
@@ -256,8 +256,8 @@ def fit_cost_model(results: dict, machine: cm.MachineProfile) -> tuple[cm.CostMo
         for p in t["draft_points"]:
             rows["draft", p["B"], p["T"]] = (draft_shape, p)
     base = [(s, p) for (_, _, tt), (s, p) in rows.items() if tt in cm.FIT_TOKENS]
-    feats = np.stack([cm.features(s, machine, p["B"], p["T"], ctx, p.get("unique_experts", 0.0))
-                      for s, p in base])
+    feats = np.stack([cm.features(s, machine, p["B"], p["T"], ctx,
+                                  p.get("unique_experts", 0.0)) for s, p in base])
     model = cm.CostModel.fit(feats, np.array([p["min_s"] for _, p in base]))
     return model, rows
 

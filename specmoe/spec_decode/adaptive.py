@@ -309,8 +309,10 @@ class AdaptivePolicy:
         within `probe_catch_up_rows`."""
         idle = [k == 0 and c > 0 for k, c in zip(ks, caps)]
         if not any(idle):
-            if any(ks):  # speculating; a step where no request may draft (its last
-                self._since_probe = 0  # token) leaves the count: short requests still probe
+            # only speculation restarts the count, not a step where no request may draft
+            # (its last token): requests shorter than the interval must still be probed
+            if any(ks):
+                self._since_probe = 0
             return ks
         self._since_probe += 1
         if self._since_probe < self.probe_interval:
