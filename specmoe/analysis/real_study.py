@@ -345,12 +345,15 @@ def _forward_errors(rows: list[dict]) -> dict:
 
 
 def _speedup_errors(rows: list[dict]) -> dict:
-    """Median relative error of each prediction of S(B, K), per model and over all."""
+    """Median relative error of each prediction of S(B, K), per model and over all, and
+    over the Ks whose verification the cost model did not fit (where the run has any)."""
     unfit = f"all, K>={max(cm.FIT_TOKENS)}"  # verifications of T outside the cost model's fit
     out = {}
     for scope in ["all", unfit, *dict.fromkeys(r["model"] for r in rows)]:
         pts = [r for r in rows if scope == "all" or scope == r["model"]
                or (scope == unfit and r["K"] + 1 not in cm.FIT_TOKENS)]
+        if not pts:
+            continue
         measured = [r["measured_speedup"] for r in pts]
         out[scope] = {label: _errors([r[f"{label}_speedup"] for r in pts], measured)
                       for label in ("forward_times", "cost_model", "amdahl")}

@@ -125,11 +125,14 @@ def fit_and_predict(presets: dict[str, dict], machine: cm.MachineProfile,
 
 def _error_summary(presets: dict[str, dict]) -> dict:
     """Median and max relative errors of both models, per preset and overall: every point,
-    the verification points (T >= 2), and the points outside the cost model's fit."""
+    the verification points (T >= 2), and the points outside the cost model's fit (a scope
+    the grid has no point of is left out)."""
     out = {}
     scopes = {"all": lambda p: True, "verification (T>=2)": lambda p: p["T"] >= 2,
               cm.PREDICTED: lambda p: p["T"] not in cm.FIT_TOKENS}
     for scope, keep in scopes.items():
+        if not any(keep(p) for res in presets.values() for p in res["points"]):
+            continue
         for label, key in (("cost_model", "predicted_s"), ("amdahl", "amdahl_s")):
             per_preset = {}
             for name, res in presets.items():

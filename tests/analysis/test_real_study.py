@@ -110,6 +110,11 @@ def test_forward_time_prediction_is_exact_when_the_algebra_holds():
     results["analysis"] = a
     report = render_real_report(results)
     assert "## Answers" in report and "B=1" in report and "4 of 4" in report
+    # K = 2 verifies T = 3, outside the cost model's fit; a run of K = 1 alone has no such K
+    assert a["speedup_errors"]["all, K>=2"]["forward_times"]["n"] == 2
+    k1 = {**results, "targets": [{**t, "e2e": [c for c in t["e2e"] if c["K"] < 2]}
+                                 for t in results["targets"]]}
+    assert "all, K>=2" not in analyse(k1, machine)["speedup_errors"]
 
 
 def test_reanalyse_refits_a_saved_run_without_measuring(tmp_path, capsys):
