@@ -52,17 +52,8 @@ class StepTimeModel:
         from scipy.optimize import nnls
         rows, secs, frac = np.array(self._steps, dtype=float).T
         feats = _row_features(rows, frac if self.moe else None)
-        # The slope below the first knot is known only from steps of 2..KNOTS[0] rows.
-        # Without them (speculation off at one request: one-row decode steps and prefill
-        # chunks) it is taken as flat, the memory-bound case where the weights are read once
-        # (dense Qwen2.5-Coder-1.5B: 5 rows cost 1.03x one row); fitted freely it took the
-        # chunks' compute-bound slope, 8 ms a row, and priced every draft out.
-        free = np.ones(feats.shape[1], dtype=bool)
-        free[1] = bool(np.any((rows > 1) & (rows <= KNOTS[0])))
         # relative error: a long prefill step must not outweigh a hundred decode steps
-        coef = np.zeros(feats.shape[1])
-        coef[free], _ = nnls(feats[:, free] / secs[:, None], np.ones_like(secs))
-        self.coef = coef
+        self.coef, _ = nnls(feats / secs[:, None], np.ones_like(secs))
         self._fitted_at = self._observed
         # a fit on large steps alone may put every weight on the hinges, predicting 0 s
         # for a few rows; no step runs faster than half the fastest one seen

@@ -95,22 +95,6 @@ def test_step_time_model_is_flat_where_memory_bound_and_steep_where_compute_boun
     assert m.predict(5) - m.predict(1) < 0.1 * m.predict(1)
 
 
-def test_step_time_slope_below_the_first_knot_is_flat_until_measured():
-    """One-row decode steps and prefill chunks alone (speculation off at one request) do not
-    tell what 2..8 rows cost: the model takes them as memory-bound (flat) rather than at
-    the chunks' compute-bound slope, and fits the slope once such steps are seen."""
-    m = StepTimeModel(window=64, min_steps=8)
-    for rows, secs in [(1, 0.100)] * 8 + [(64, 0.500), (300, 2.2), (700, 5.0), (1, 0.100)]:
-        m.observe(rows, secs)
-    m.refresh()
-    assert m.predict(5) == pytest.approx(m.predict(1), rel=0.01)
-    assert m.predict(700) == pytest.approx(5.0, rel=0.15)
-    for _ in range(8):
-        m.observe(5, 0.140)  # 5 rows measured 1.4x one row
-    m.refresh()
-    assert m.predict(5) == pytest.approx(0.140, rel=0.1)
-
-
 def test_step_time_is_never_predicted_as_zero():
     """Steps of 12-15 rows only: the fit may weigh the hinge alone, which is 0 below 8
     rows; a 1-row step is then predicted at no less than half the fastest step seen (a
