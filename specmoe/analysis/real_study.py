@@ -244,8 +244,8 @@ def run_real_study(cfg: RealStudyConfig, progress=None) -> dict:
 
 def fit_cost_model(results: dict, machine: cm.MachineProfile) -> tuple[cm.CostModel, dict]:
     """The cost model fitted on the points of T in FIT_TOKENS of every target and the
-    draft; returns it
-    and {(name, B, T): (ShapeCounts, measured point)} for every grid point."""
+    draft; returns it and {(name, B, T): (ShapeCounts, measured point)} for every grid
+    point."""
     ctx = results["config"]["context_len"]
     rows = {}
     for t in results["targets"]:

@@ -345,7 +345,9 @@ class EngineCore:
                                                  req.params, self._generators[req.request_id])))
         if not asks:
             return
-        pending = self._pending_tokens([req for req, _ in asks])
+        # the calls' rows feed only the drafting time model of draft_cost="rows"
+        rows_model = self.policy is not None and self.policy.s.draft_rows_model
+        pending = self._pending_tokens([req for req, _ in asks]) if rows_model else None
         t0 = time.perf_counter()
         proposals = run_isolated(self.proposer.propose,
                                  lambda ask: self.proposer.propose([ask])[0],
