@@ -425,14 +425,18 @@ class ExpertParallelConfig:
         placement: "contiguous" (rank r holds experts [r N / R, (r + 1) N / R)) or the path
             of a placement file (`specmoe expert-placement`, `layers.moe.placement`), read
             by every rank: under torchrun it must exist on every machine.
+        timeout_s: seconds a collective may wait for the other ranks: a rank that died or
+            hangs turns into an error on rank 0 after at most this long.
 
     Raises:
-        ValueError: a size that is not an int >= 1, an unknown dispatch, an empty placement.
+        ValueError: a size that is not an int >= 1, an unknown dispatch, an empty placement,
+            a timeout that is not a number > 0.
     """
 
     size: int = 1
     dispatch: str = "replicated"
     placement: str = "contiguous"
+    timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
@@ -443,6 +447,10 @@ class ExpertParallelConfig:
         if not isinstance(self.placement, str) or not self.placement.strip():
             raise ValueError(f"invalid expert_placement={self.placement!r}: 'contiguous' or "
                              "the path of a placement file")
+        if (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float))
+                or not 0 < self.timeout_s < float("inf")):
+            raise ValueError(f"invalid expert_parallel_timeout_s={self.timeout_s!r}: must be "
+                             "a number of seconds > 0")
 
 
 @dataclass

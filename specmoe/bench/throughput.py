@@ -51,8 +51,9 @@ class ThroughputBenchConfig:
         batch_size_table: the "table" policy's ranges, vLLM style ({"1-4": 4, ...}).
         spec_bench_categories: the Spec-Bench tasks prompts are drawn from.
         expert_parallel_size: processes a MoE target's experts are sharded over (1: none).
-        expert_parallel_dispatch, expert_placement: the expert-parallel dispatch mode and
-            placement (`LLM`'s arguments of the same names).
+        expert_parallel_dispatch, expert_placement, expert_parallel_timeout_s: the
+            expert-parallel dispatch mode, placement and timeout (`LLM`'s arguments of the
+            same names).
         concurrency: numbers of requests submitted at once, ascending; the first is the
             baseline of the scaling ratios (1 for the target line).
         max_tokens: tokens generated per request (EOS ignored).
@@ -95,6 +96,7 @@ class ThroughputBenchConfig:
     expert_parallel_size: int = 1
     expert_parallel_dispatch: str = "replicated"
     expert_placement: str = "contiguous"
+    expert_parallel_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.concurrency or any(not isinstance(c, int) or c < 1
@@ -113,7 +115,8 @@ class ThroughputBenchConfig:
         if self.policies and self.draft == "none":
             raise ValueError("speculation policies need a draft: --draft is 'none'")
         ExpertParallelConfig(self.expert_parallel_size, self.expert_parallel_dispatch,
-                             self.expert_placement)  # raises on a bad value, before loading
+                             self.expert_placement, self.expert_parallel_timeout_s
+                             )  # raises on a bad value, before loading
 
     @property
     def modes(self) -> list[str]:
@@ -237,7 +240,8 @@ def build_engines(cfg: ThroughputBenchConfig) -> dict:
                          seed=cfg.seed, scheduler=sched,
                          expert_parallel_size=cfg.expert_parallel_size,
                          expert_parallel_dispatch=cfg.expert_parallel_dispatch,
-                         expert_placement=cfg.expert_placement)}
+                         expert_placement=cfg.expert_placement,
+                         expert_parallel_timeout_s=cfg.expert_parallel_timeout_s)}
 
 
 def add_speculative_engines(cfg: ThroughputBenchConfig, engines: dict,

@@ -61,6 +61,9 @@ class LLM:
             dispatches its slice of the batch's tokens; `ExpertParallelConfig`).
         expert_placement: "contiguous" or the path of a placement file written by
             `specmoe expert-placement` (experts placed from measured load).
+        expert_parallel_timeout_s: seconds a collective waits for the other ranks: a rank
+            that died or hangs makes the next generate raise `RankFailure` after at most
+            this long (then call `shutdown()`).
 
     Raises:
         FileNotFoundError, ValueError: bad path, unsupported model, bad option, a draft
@@ -75,13 +78,14 @@ class LLM:
                  scheduler: SchedulerConfig | dict | None = None,
                  moe_backend: str = "auto", expert_parallel_size: int = 1,
                  expert_parallel_dispatch: str = "replicated",
-                 expert_placement: str = "contiguous") -> None:
+                 expert_placement: str = "contiguous",
+                 expert_parallel_timeout_s: float = 60.0) -> None:
         if isinstance(speculative, dict):
             speculative = SpeculativeConfig(**speculative)
         if isinstance(scheduler, dict):
             scheduler = SchedulerConfig(**scheduler)
         ep = ExpertParallelConfig(expert_parallel_size, expert_parallel_dispatch,
-                                  expert_placement)
+                                  expert_placement, expert_parallel_timeout_s)
         dtype = resolve_dtype(dtype, device)
         self.config = EngineConfig(
             ModelConfig(model, dtype, device, max_model_len, quantization, moe_backend),
@@ -142,7 +146,8 @@ class LLM:
 
     def shutdown(self) -> None:
         """Stop the expert-parallel worker processes (no-op in one process); a worker that
-        died or cannot be told to stop is killed."""
+        died or cannot be told to stop is killed (at once once a collective has failed,
+        else after the group's timeout)."""
         if self._workers:
             from specmoe.worker.ep_launch import abort
             try:
@@ -150,7 +155,8 @@ class LLM:
             except Exception:  # noqa: BLE001 - a dead rank: stop the others regardless
                 logger.warning("could not tell the expert-parallel workers to stop",
                                exc_info=True)
-            abort(self._workers)
+            failed = self.target.failure is not None
+            abort(self._workers, 0.0 if failed else self.config.expert_parallel.timeout_s)
             self._workers = []
 
     @property

@@ -53,7 +53,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_expert_parallel_mode_args(p: argparse.ArgumentParser) -> None:
-    """--expert-parallel-dispatch and --expert-placement (with --expert-parallel-size > 1)."""
+    """--expert-parallel-dispatch, --expert-placement and --expert-parallel-timeout (with
+    --expert-parallel-size > 1)."""
     p.add_argument("--expert-parallel-dispatch", default="replicated",
                    choices=list(EXPERT_PARALLEL_DISPATCH),
                    help="how expert-parallel ranks exchange tokens: replicated (one "
@@ -63,13 +64,18 @@ def add_expert_parallel_mode_args(p: argparse.ArgumentParser) -> None:
                    help="which rank holds each expert: contiguous blocks (the default) or "
                         "a placement file from `specmoe expert-placement` (balanced from "
                         "measured load)")
+    p.add_argument("--expert-parallel-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="seconds a collective waits for the other ranks: a rank that died "
+                        "or hangs fails the requests after at most this long (default: "
+                        "%(default)s)")
 
 
 def expert_parallel_kwargs(args) -> dict:
     """The LLM keyword arguments of the expert-parallel options."""
     return {"expert_parallel_size": args.expert_parallel_size,
             "expert_parallel_dispatch": args.expert_parallel_dispatch,
-            "expert_placement": args.expert_placement}
+            "expert_placement": args.expert_placement,
+            "expert_parallel_timeout_s": args.expert_parallel_timeout}
 
 
 def apply_threads(args) -> None:

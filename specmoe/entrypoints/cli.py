@@ -326,7 +326,8 @@ def cmd_bench_throughput(args) -> int:
         spec_bench_categories=args.spec_bench_categories,
         expert_parallel_size=args.expert_parallel_size,
         expert_parallel_dispatch=args.expert_parallel_dispatch,
-        expert_placement=args.expert_placement)
+        expert_placement=args.expert_placement,
+        expert_parallel_timeout_s=args.expert_parallel_timeout)
     out = Path(args.out or f"out/throughput-{time.strftime('%Y%m%d-%H%M')}")
     results = run_throughput_bench(cfg)
     for path in write_report(results, out):

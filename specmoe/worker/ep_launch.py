@@ -5,9 +5,9 @@ One machine: `launch_workers` starts ranks 1..N-1 with `torch.multiprocessing` (
 rank 0 joins from the calling process, gloo on CPU, NCCL on CUDA. Across machines, torchrun
 starts the ranks (`--nnodes`, `MASTER_ADDR`, `MASTER_PORT`), every rank runs the same
 command and ranks > 0 serve as workers (`join_torchrun_group`). Every rank gets the same
-`ExpertParallelConfig` (size, dispatch, placement) and loads only its experts under it. A
-rank that dies makes rank 0's next collective fail within `TIMEOUT_S` (gloo's timeout)
-instead of hanging.
+`ExpertParallelConfig` (size, dispatch, placement, timeout) and loads only its experts under
+it. A rank that dies or hangs makes rank 0's next collective fail within the config's
+`timeout_s` (the process group's timeout) instead of hanging.
 """
 
 from __future__ import annotations
@@ -25,11 +25,8 @@ from specmoe.worker.expert_parallel import (ExpertParallelRunner, keep_rank_expe
                                             shard_experts, worker_loop)
 from specmoe.worker.model_runner import ModelRunner
 
-TIMEOUT_S = 60.0
-
-
-def init_group(rank: int, world_size: int, port: int, device: str = "cpu",
-               timeout_s: float = TIMEOUT_S) -> None:
+def init_group(rank: int, world_size: int, port: int, device: str, timeout_s: float
+               ) -> None:
     """Join the default group on 127.0.0.1:`port` (gloo on CPU, NCCL on CUDA)."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
@@ -42,7 +39,7 @@ def worker_main(rank: int, port: int, model_config, ep: ExpertParallelConfig,
                 threads: int) -> None:
     """Entry of ranks > 0 spawned by `launch_workers`."""
     torch.set_num_threads(threads)
-    init_group(rank, ep.size, port, model_config.device or "cpu")
+    init_group(rank, ep.size, port, model_config.device or "cpu", ep.timeout_s)
     serve_as_worker(model_config, ep)
 
 
@@ -102,7 +99,7 @@ def join_torchrun_group(model_config, ep: ExpertParallelConfig) -> list[RemoteRa
     if device.startswith("cuda"):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+                            timeout=datetime.timedelta(seconds=ep.timeout_s))
     if rank > 0:
         serve_as_worker(model_config, ep)
         raise SystemExit(0)
@@ -125,18 +122,19 @@ def launch_workers(model_config, ep: ExpertParallelConfig, threads: int = 1):
                          daemon=True) for r in range(1, ep.size)]
     for p in procs:
         p.start()
-    init_group(0, ep.size, port, model_config.device or "cpu")
+    init_group(0, ep.size, port, model_config.device or "cpu", ep.timeout_s)
     return procs
 
 
-def abort(workers: list) -> None:
-    """Wait for worker processes to end (each within TIMEOUT_S, else killed) and leave the
-    group: after a stop, or when they cannot be served (rank 0 failed to load, a rank
-    died)."""
+def abort(workers: list, wait_s: float) -> None:
+    """Wait for worker processes to end (each within `wait_s`, else killed) and leave the
+    group: after a stop (wait the group's timeout), or when they cannot be served (rank 0
+    failed to load, a collective failed: wait 0, a hung rank would never end)."""
     for p in workers:
-        p.join(timeout=TIMEOUT_S)
+        p.join(timeout=wait_s)
         if p.is_alive():
             p.kill()
+            p.join(timeout=5.0)
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -161,6 +159,7 @@ def load_rank_zero(model_config, ep: ExpertParallelConfig, workers: list):
         runner = ModelRunner(loaded)
         emap = shard_experts(runner, ep)
     except Exception:
-        abort(workers)
+        abort(workers, ep.timeout_s)
         raise
-    return loaded, ExpertParallelRunner(runner, emap, ep.dispatch)
+    return loaded, ExpertParallelRunner(runner, emap, ep.dispatch,
+                                        heartbeat_s=ep.timeout_s / 4)

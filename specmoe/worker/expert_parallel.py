@@ -16,6 +16,7 @@ Starting, joining and stopping the ranks (spawned on one machine, or by torchrun
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import asdict, dataclass, fields, replace
 
@@ -24,8 +25,8 @@ import torch.distributed as dist
 
 from specmoe.config import ExpertParallelConfig
 from specmoe.layers.moe.backends import moe_blocks
-from specmoe.layers.moe.expert_parallel import (COLLECTIVES, keep_local_experts,
-                                                set_expert_parallel)
+from specmoe.layers.moe.expert_parallel import (COLLECTIVES, RankFailure, group_call,
+                                                keep_local_experts, set_expert_parallel)
 from specmoe.layers.moe.placement import CONTIGUOUS, ExpertMap, read_placement
 from specmoe.worker.model_runner import ModelRunner
 
@@ -68,39 +69,93 @@ class ExpertParallelRunner:
     """Rank 0's target: a `ModelRunner` whose forwards are mirrored on the worker ranks.
     Other attributes are the wrapped runner's.
 
+    The workers wait for rank 0's next message inside a collective, which fails after the
+    group's timeout: while rank 0 is idle (a server between requests) a heartbeat thread
+    sends a "ping" every `heartbeat_s`, so idle workers stay in the group, and a worker that
+    died or hangs is found while idle too (`failure`). A lock keeps rank 0's messages and
+    forwards in one order, the order every worker runs them in.
+
     Attributes:
         expert_map: the placement of the experts over the ranks (the configured one).
         dispatch: how the ranks exchange tokens ("replicated" or "all_to_all").
         comm: `CommunicationStats` of the forwards run so far.
+        failure: the `RankFailure` that ended the group (None while it works); every later
+            forward raises it again at once.
     """
 
     def __init__(self, runner: ModelRunner, expert_map: ExpertMap,
-                 dispatch: str = "replicated") -> None:
+                 dispatch: str = "replicated", heartbeat_s: float | None = None) -> None:
         self._runner = runner
         self._caches: dict[int, object] = {}
         self.expert_map = expert_map
         self.dispatch = dispatch
         self.comm = CommunicationStats()
+        self.failure: RankFailure | None = None
+        self._lock = threading.Lock()
+        self._last_message = time.monotonic()
+        self._stopped = threading.Event()
+        self._heartbeat = None
+        if heartbeat_s is not None:
+            self._heartbeat = threading.Thread(target=self._beat, args=(heartbeat_s,),
+                                               name="specmoe-ep-heartbeat", daemon=True)
+            self._heartbeat.start()
 
     def __getattr__(self, name: str):
         return getattr(self._runner, name)
 
+    def _send(self, message: tuple) -> None:
+        """Broadcast `message` to the workers (hold `_lock`); a failure ends the group."""
+        try:
+            _broadcast(message)
+        except RankFailure as e:
+            self.failure = e
+            raise
+        self._last_message = time.monotonic()
+
+    def _beat(self, interval: float) -> None:
+        while not self._stopped.wait(interval / 4):
+            with self._lock:
+                if self._stopped.is_set() or self.failure is not None:
+                    return
+                if time.monotonic() - self._last_message >= interval:
+                    try:
+                        self._send(("ping",))
+                    except RankFailure:
+                        return
+
     def new_paged_cache(self, num_blocks: int, block_size: int):
         cache = self._runner.new_paged_cache(num_blocks, block_size)
-        cache_id = len(self._caches)
-        self._caches[cache_id] = cache
-        _broadcast(("cache", cache_id, num_blocks, block_size))
+        with self._lock:
+            cache_id = len(self._caches)
+            self._caches[cache_id] = cache
+            self._send(("cache", cache_id, num_blocks, block_size))
         return cache
 
     def execute(self, cache, seqs):
+        """The wrapped runner's forward, mirrored on the other ranks.
+
+        Raises:
+            RankFailure: a rank died or hangs (now, or earlier: then at once).
+        """
+        with self._lock:
+            if self.failure is not None:
+                raise RankFailure(f"the expert-parallel group failed earlier ({self.failure});"
+                                  " shut this LLM down and start a new one")
+            return self._execute(cache, seqs)
+
+    def _execute(self, cache, seqs):
         cache_id = next(i for i, c in self._caches.items() if c is cache)
         seconds, calls, nbytes = COLLECTIVES.seconds, COLLECTIVES.calls, COLLECTIVES.bytes_sent
-        start = time.perf_counter()
-        _broadcast(("execute", cache_id, seqs))
-        sent = time.perf_counter()
+        start = sent = time.perf_counter()
         try:
+            self._send(("execute", cache_id, seqs))
+            sent = time.perf_counter()
             return self._runner.execute(cache, seqs)
+        except RankFailure as e:
+            self.failure = e
+            raise
         finally:
+            self._last_message = time.monotonic()
             c = self.comm
             c.num_forwards += 1
             c.forward_seconds += time.perf_counter() - start
@@ -110,14 +165,20 @@ class ExpertParallelRunner:
             c.collective_bytes += COLLECTIVES.bytes_sent - nbytes
 
     def shutdown(self) -> None:
-        """Stop the worker ranks (their loops return)."""
-        if dist.is_initialized():
-            _broadcast(("stop",))
+        """Stop the heartbeat and the worker ranks (their loops return).
+
+        Raises:
+            RankFailure: the stop could not be sent (a rank died or hangs).
+        """
+        self._stopped.set()
+        with self._lock:
+            if dist.is_initialized() and self.failure is None:
+                self._send(("stop",))
 
 
 def _broadcast(message: tuple) -> tuple:
     box = [message]
-    dist.broadcast_object_list(box, src=0)
+    group_call(dist.broadcast_object_list, box, src=0)
     return box[0]
 
 
@@ -129,6 +190,8 @@ def worker_loop(runner: ModelRunner) -> int:
         message = _broadcast((None,))
         if message[0] == "stop":
             return forwards
+        if message[0] == "ping":  # rank 0 is idle
+            continue
         if message[0] == "cache":
             _, cache_id, num_blocks, block_size = message
             caches[cache_id] = runner.new_paged_cache(num_blocks, block_size)

@@ -108,7 +108,6 @@ def _interleaved(tmp_path: Path, num_experts: int) -> Path:
 
 
 def test_a_killed_worker_is_an_error_on_rank_0_not_a_hang():
-    from specmoe.worker.ep_launch import TIMEOUT_S
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     ep = LLM("tiny-moe", dtype="float32", expert_parallel_size=2)
     worker = ep._workers[0]
@@ -119,9 +118,41 @@ def test_a_killed_worker_is_an_error_on_rank_0_not_a_hang():
         start = time.monotonic()
         with pytest.raises(Exception) as info:
             ep.generate([[5, 17, 42]], params)
-        assert time.monotonic() - start < TIMEOUT_S + 10, info.value
+        assert time.monotonic() - start < ep.config.expert_parallel.timeout_s + 10, info.value
     finally:
         ep.shutdown()
+
+
+def test_idle_past_the_timeout_then_a_hung_worker_is_an_error_not_a_hang():
+    """The workers wait for rank 0 inside a collective with the group's timeout: a server
+    idle for longer must keep its workers (the heartbeat), and a worker that stops answering
+    (SIGSTOP) must fail the next generate within the timeout, every later one at once, and
+    shutdown must not wait for it."""
+    import signal
+    from specmoe.layers.moe.expert_parallel import RankFailure
+    timeout = 6.0
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ep = LLM("tiny-moe", dtype="float32", expert_parallel_size=2,
+             expert_parallel_timeout_s=timeout)
+    worker = ep._workers[0]
+    try:
+        want = ep.generate([[5, 17, 42]], params)[0].token_ids
+        time.sleep(timeout + 3)
+        assert ep.generate([[5, 17, 42]], params)[0].token_ids == want
+        os.kill(worker.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(RankFailure, match="timeout"):
+            ep.generate([[5, 17, 42]], params)
+        assert time.monotonic() - start < timeout + 5
+        start = time.monotonic()
+        with pytest.raises(RankFailure, match="failed earlier"):
+            ep.generate([[1, 2]], params)
+        assert time.monotonic() - start < 2
+    finally:
+        start = time.monotonic()
+        ep.shutdown()
+        assert time.monotonic() - start < 10
+        assert not worker.is_alive()
 
 
 def test_dense_models_bad_sizes_and_placements_are_refused(tmp_path):

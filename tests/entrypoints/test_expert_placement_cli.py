@@ -82,9 +82,11 @@ def test_the_command_measures_a_model_on_the_bundled_prompts(tmp_path, capsys):
 def test_the_dispatch_and_placement_options_reach_the_engine():
     for command in (["generate", "--prompt", "x"], ["serve"], ["bench", "throughput"]):
         args = build_parser().parse_args(command + ["--expert-parallel-dispatch", "all_to_all",
-                                                    "--expert-placement", "p.json"])
+                                                    "--expert-placement", "p.json",
+                                                    "--expert-parallel-timeout", "5"])
         assert (args.expert_parallel_dispatch, args.expert_placement) == ("all_to_all",
                                                                           "p.json")
+        assert args.expert_parallel_timeout == 5.0
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--expert-parallel-dispatch", "ring"])
 
@@ -95,6 +97,11 @@ def test_bad_dispatch_and_placement_fail_before_any_process_starts(tmp_path):
         LLM("tiny-moe", expert_parallel_size=2, expert_parallel_dispatch="ring")
     with pytest.raises(ValueError, match="expert_parallel_dispatch='ring'"):
         ThroughputBenchConfig(expert_parallel_dispatch="ring")
+    for timeout in (0, -1.0, float("nan"), "60", True):
+        with pytest.raises(ValueError, match="expert_parallel_timeout_s="):
+            LLM("tiny-moe", expert_parallel_size=2, expert_parallel_timeout_s=timeout)
+    with pytest.raises(ValueError, match="expert_parallel_timeout_s=0"):
+        ThroughputBenchConfig(expert_parallel_timeout_s=0)
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"placement": [0, 1, 3, 1]}))
     with pytest.raises(ValueError, match="expert 2 on rank 3"):

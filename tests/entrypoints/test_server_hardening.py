@@ -233,6 +233,22 @@ def test_health_answers_while_a_prompt_is_tokenized(llm, monkeypatch):
     assert done.status_code == 200
 
 
+def test_health_is_503_once_an_expert_parallel_rank_failed(llm, monkeypatch):
+    """A failed expert-parallel group (`ExpertParallelRunner.failure`) fails every request,
+    so /health tells the load balancer."""
+    from specmoe.layers.moe.expert_parallel import RankFailure
+
+    async def scenario(app, client):
+        ok = await client.get("/health")
+        monkeypatch.setattr(llm.target, "failure", RankFailure("rank 1 timed out"),
+                            raising=False)
+        return ok, await client.get("/health")
+    ok, failed = serve(llm, scenario)
+    assert ok.status_code == 200
+    assert failed.status_code == 503
+    assert failed.json() == {"status": "failed", "error": "rank 1 timed out"}
+
+
 # ---- D9: a non-streaming client disconnect ends quietly -----------------------------------
 
 

@@ -14,6 +14,8 @@ ending in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus
   so a load balancer drains the instance), lets in-flight requests finish for up to
   `drain_timeout_s` seconds, aborts the rest (their responses end with finish_reason
   "abort"), then exits with status 0; a second signal exits at once with status 1.
+- Under expert parallelism a rank that dies or hangs fails the requests in flight within the
+  group's timeout, and every later one at once; /health then answers 503 ("failed").
 """
 
 from __future__ import annotations
@@ -140,10 +142,14 @@ def build_app(llm, served_model_name: str, api_key: str | None = None,
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     serving = state.serving
 
-    @app.get("/health", responses={503: {"description": "draining: shutting down"}})
+    @app.get("/health", responses={503: {"description": "draining (shutting down), or an "
+                                                        "expert-parallel rank failed"}})
     async def health() -> JSONResponse:
         if state.is_draining:
             return JSONResponse({"status": "draining"}, status_code=503)
+        failure = getattr(serving.llm.target, "failure", None)  # expert parallelism
+        if failure is not None:
+            return JSONResponse({"status": "failed", "error": str(failure)}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=_GET_RESPONSES)

@@ -55,9 +55,23 @@ class CollectiveStats:
 COLLECTIVES = CollectiveStats()
 
 
+class RankFailure(RuntimeError):
+    """A collective of the expert-parallel group failed: another rank died, hangs past the
+    group's timeout, or left. The group cannot run another forward."""
+
+
+def group_call(collective, *args, **kwargs):
+    """`collective(*args, **kwargs)`, its failure raised as `RankFailure`."""
+    try:
+        return collective(*args, **kwargs)
+    except RuntimeError as e:  # gloo and NCCL report a lost or silent peer as RuntimeError
+        raise RankFailure(f"expert parallelism: {collective.__name__} failed: another rank "
+                          f"died or did not answer within the group's timeout ({e})") from e
+
+
 def _timed(collective, nbytes: int, *args, **kwargs) -> None:
     start = time.perf_counter()
-    collective(*args, **kwargs)
+    group_call(collective, *args, **kwargs)
     COLLECTIVES.add(time.perf_counter() - start, nbytes)
 
 
