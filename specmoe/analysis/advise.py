@@ -10,12 +10,18 @@ sizes, with which K? A few minutes of measurement on the user's own setup:
    the forward, from a few plain decode steps at each B;
 3. prediction: S(B, K) by `real_study.predict_speedup`, the best K per B (0 where nothing
    beats plain decoding), and the `batch_size_table` that applies it.
+
+`compare_with_bench` scores the prediction against `specmoe bench throughput`'s measured
+static-K speedups at C = B (the same prompts: `datasets` selects them as the bench does).
 """
 
 from __future__ import annotations
 
 import gc
+import gzip
+import json
 import statistics
+from pathlib import Path
 from dataclasses import asdict, dataclass, field
 
 from specmoe.analysis.model_card import (acceptance_curve, draft_acceptor,
@@ -38,6 +44,11 @@ class AdviseConfig:
             than max(batch_sizes) are reused for the larger batches, which undercounts the
             experts a MoE batch touches (identical requests route identically).
         num_prompts: prompts used when `prompts` is None (None: max(batch_sizes)).
+        datasets: instead of the default prompts, `bench throughput`'s data sets (its
+            `--datasets`, with `spec_bench_categories`), chosen as the bench chooses them:
+            with num_prompts = its --num-requests, the bench's own prompts.
+        spec_bench_categories: Spec-Bench tasks for `datasets` (None: the bench's default).
+        draft_quantization: None, "int8" or "int4" for the draft model's weights.
         batch_sizes: B to advise on, ascending.
         max_k: the largest K considered.
         max_tokens: greedy tokens per prompt for the acceptance replay.
@@ -57,6 +68,9 @@ class AdviseConfig:
     reps: int = 2
     dtype: str = "bfloat16"
     seed: int = 0
+    datasets: list[str] | None = None
+    spec_bench_categories: list[str] | None = None
+    draft_quantization: str | None = None
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or min(self.batch_sizes) < 1:
@@ -69,14 +83,31 @@ class AdviseConfig:
                              f"overhead_tokens={self.overhead_tokens} be >= 2")
         if self.prompts is not None and not [p for p in self.prompts if p.strip()]:
             raise ValueError("no non-empty prompt given")
+        if self.prompts is not None and self.datasets:
+            raise ValueError("give prompts or datasets, not both")
 
 
 def _prompt_ids(llm, cfg: AdviseConfig) -> list[list[int]]:
+    if cfg.datasets:
+        return _bench_prompt_ids(llm, cfg)
     if cfg.prompts is None:
         n = cfg.num_prompts or max(cfg.batch_sizes)
         study = RealStudyConfig(models=[cfg.model], e2e_batch_sizes=[n], batch_sizes=[n])
         return e2e_prompts(llm, study)
     return [chat_ids(llm, p) for p in cfg.prompts if p.strip()]
+
+
+def _bench_prompt_ids(llm, cfg: AdviseConfig) -> list[list[int]]:
+    """The prompts `bench throughput --datasets ... --num-requests num_prompts` runs (those
+    that fit the context with max_tokens more)."""
+    from specmoe.bench.throughput import ThroughputBenchConfig, build_prompts, fitting_prompts
+    n = cfg.num_prompts or max(cfg.batch_sizes)
+    extra = ({"spec_bench_categories": cfg.spec_bench_categories}
+             if cfg.spec_bench_categories else {})
+    bench = ThroughputBenchConfig(model=cfg.model, datasets=cfg.datasets, num_requests=n,
+                                  concurrency=[n], **extra)
+    fit, _ = fitting_prompts(build_prompts(bench, llm), cfg.max_tokens, llm.max_model_len)
+    return [p["token_ids"] for p in fit]
 
 
 def measure_acceptance(draft_runner, prompts, outputs, max_k: int, lookup) -> list[dict]:
@@ -103,8 +134,8 @@ def measure_overheads(llm, prompts, cfg: AdviseConfig, tt_one: dict[int, float]
 
 
 def advise(cfg: AdviseConfig, progress=None) -> dict:
-    """Everything in the module docstring, JSON-ready: {config, acceptance, rows, best,
-    batch_size_table}."""
+    """Everything in the module docstring, JSON-ready: {config, context_len, prompt_tokens
+    (each prompt's length), acceptance, rows, best, batch_size_table}."""
     from specmoe.config import SpeculativeConfig
     from specmoe.engine.llm_engine import LLM
     from specmoe.sampling_params import SamplingParams
@@ -112,7 +143,8 @@ def advise(cfg: AdviseConfig, progress=None) -> dict:
     llm = LLM(cfg.model, dtype=cfg.dtype, seed=cfg.seed,
               scheduler={"kv_cache_memory_bytes": 512 << 20})
     spec = SpeculativeConfig(**({"method": "ngram"} if cfg.draft == "ngram" else
-                                {"method": "draft", "draft_model": cfg.draft}))
+                                {"method": "draft", "draft_model": cfg.draft,
+                                 "draft_quantization": cfg.draft_quantization}))
     draft_llm = None if cfg.draft == "ngram" else llm.with_speculative(spec)
     draft_runner = draft_llm.proposer.runner if draft_llm else None
     prompts = _prompt_ids(llm, cfg)
@@ -148,7 +180,8 @@ def advise(cfg: AdviseConfig, progress=None) -> dict:
              "engine_overhead_s": overhead[b]}
             for b in cfg.batch_sizes for a in acceptance]
     best = best_k(rows)
-    return {"config": asdict(cfg), "context_len": ctx, "acceptance": acceptance,
+    return {"config": asdict(cfg), "context_len": ctx,
+            "prompt_tokens": [len(p) for p in prompts], "acceptance": acceptance,
             "rows": rows, "best": best, "batch_size_table": batch_size_table(best)}
 
 
@@ -186,3 +219,53 @@ def median_error(predicted: dict[tuple[int, int], float],
     if not keys:
         raise ValueError("no (B, K) in common")
     return statistics.median(abs(predicted[k] - measured[k]) / measured[k] for k in keys)
+
+
+def read_results(path: str | Path) -> dict:
+    """A JSON results file (`advice.json`, bench throughput's `results.json`), gzipped or
+    not.
+
+    Raises:
+        ValueError: no such file, or not JSON.
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"{path}: no such file")
+    opener = gzip.open if file.suffix == ".gz" else open
+    try:
+        with opener(file, "rt", encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not a JSON results file ({exc})") from exc
+
+
+def compare_with_bench(advice: dict, bench: dict) -> dict:
+    """The advice's predicted S(B, K) against `bench throughput`'s measured speedups of its
+    static:K modes at C = B (the median over repetitions of tokens/s over plain).
+
+    Returns:
+        {"rows": [{B, K, predicted, measured, error}], "median_error", "best": {B: (advised
+        K, measured best static K)}}, JSON-ready.
+    Raises:
+        ValueError: no (B, K) in common (no static:K mode at a C the advice covers).
+    """
+    measured = {}
+    for mode, by_c in bench["ratios"].get("speedup_by_mode", {}).items():
+        if mode.startswith("static:"):
+            for c, r in by_c.items():
+                measured[int(c), int(mode.split(":")[1])] = r["median"]
+    predicted = {(r["B"], r["K"]): r["predicted_speedup"] for r in advice["rows"]}
+    keys = sorted(set(predicted) & set(measured))
+    if not keys:
+        raise ValueError("no (B, K) in common: the bench needs static:K modes at the "
+                         "advice's batch sizes")
+    rows = [{"B": b, "K": k, "predicted": predicted[b, k], "measured": measured[b, k],
+             "error": abs(predicted[b, k] - measured[b, k]) / measured[b, k]}
+            for b, k in keys]
+    advised = {int(b): v["K"] for b, v in advice["best"].items()}  # JSON keys are str
+    best = {}
+    for b in sorted({b for b, _ in keys}):
+        top = max((r for r in rows if r["B"] == b), key=lambda r: r["measured"])
+        best[b] = {"advised_K": advised[b],
+                   "measured_best_K": top["K"] if top["measured"] > 1.0 else 0}
+    return {"rows": rows, "median_error": median_error(predicted, measured), "best": best}

@@ -14,11 +14,28 @@ def add_advise_parser(sub) -> None:
     d = AdviseConfig(model="", draft="")
     p = sub.add_parser("advise", help="will speculation pay on my model, draft and prompts? "
                        "best K per batch size and a batch_size_table, measured in minutes")
-    p.add_argument("--model", required=True, help="target model: alias or path")
-    p.add_argument("--draft", required=True, help="draft model (alias or path) or 'ngram'")
+    p.add_argument("--model", help="target model: alias or path (required unless "
+                                    "--from-advice)")
+    p.add_argument("--draft", help="draft model (alias or path) or 'ngram' (required "
+                                    "unless --from-advice)")
+    p.add_argument("--draft-quantization", default=None, choices=["int8", "int4"],
+                   help="quantise the draft model's weights")
     p.add_argument("--prompts", default=None,
                    help="a .txt file (one prompt per line) or .jsonl (a 'prompt' or 'text' "
                         "field per line); default: Spec-Bench and MT-Bench prompts")
+    p.add_argument("--datasets", type=comma_list(str), default=None,
+                   help="instead of --prompts: `bench throughput`'s data sets, its prompts "
+                        "chosen as it chooses them (e.g. spec_bench,mt_bench)")
+    p.add_argument("--spec-bench-categories", type=comma_list(str), default=None,
+                   help="Spec-Bench tasks for --datasets (default: the bench's)")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="prompts to use (default: the largest batch size); with --datasets "
+                        "give the bench's --num-requests to get its prompts")
+    p.add_argument("--compare", default=None, metavar="BENCH_RESULTS",
+                   help="score the advice against a `bench throughput` results.json (or "
+                        ".json.gz) whose static:K modes ran at these batch sizes")
+    p.add_argument("--from-advice", default=None, metavar="ADVICE_JSON",
+                   help="with --compare: an advice.json written before, nothing measured")
     p.add_argument("--batch-sizes", type=comma_list(int),
                    default=",".join(map(str, d.batch_sizes)),
                    help="batch sizes to advise on (default: %(default)s)")
@@ -61,34 +78,82 @@ def read_prompts(path: str) -> list[str]:
 
 
 def cmd_advise(args) -> int:
+    """Advise (or read `--from-advice`), print, write, and score against `--compare`."""
+    from specmoe.analysis.advise import read_results
+    if args.from_advice:
+        if not args.compare:
+            raise ValueError("--from-advice needs --compare BENCH_RESULTS")
+        result = read_results(args.from_advice)
+    elif not (args.model and args.draft):
+        raise ValueError("--model and --draft are required (or --from-advice with --compare)")
+    else:
+        result = _advise(args)
+    if args.compare:
+        print_comparison(result, read_results(args.compare))
+    return 0
+
+
+def _advise(args) -> dict:
     from rich.console import Console
-    from rich.table import Table
 
     from specmoe.analysis.advise import AdviseConfig, advise
     apply_threads(args)
     cfg = AdviseConfig(model=args.model, draft=args.draft,
                        prompts=read_prompts(args.prompts) if args.prompts else None,
+                       num_prompts=args.num_prompts, datasets=args.datasets,
+                       spec_bench_categories=args.spec_bench_categories,
+                       draft_quantization=args.draft_quantization,
                        batch_sizes=args.batch_sizes, max_k=args.max_k,
                        max_tokens=args.max_tokens, reps=args.reps, dtype=args.dtype)
     console = Console(stderr=True)
     result = advise(cfg, lambda msg: console.print(f"[bold]{msg}[/]"))
-    table = Table(title=f"{cfg.model} with {cfg.draft}: predicted speedup over plain")
+    print_advice(result)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "advice.json").write_text(json.dumps(result, indent=1))
+        print(f"advice: {out / 'advice.json'}")
+    return result
+
+
+def _console():
+    from rich.console import Console
+    console = Console()
+    if not console.is_terminal:  # a pipe or file: the whole table, not cut to 80 columns
+        console = Console(width=160)
+    return console
+
+
+def print_advice(result: dict) -> None:
+    """The predicted speedup per B and K, the acceptance and the batch_size_table."""
+    from rich.table import Table
+    cfg = result["config"]
+    table = Table(title=f"{cfg['model']} with {cfg['draft']}: predicted speedup over plain")
     for col in ("B", "best K", "speedup", "pays", *(f"K={a['k']}" for a in result["acceptance"])):
         table.add_column(col)
     for b, best in result["best"].items():
         cells = [f"{r['predicted_speedup']:.2f}" for r in result["rows"] if r["B"] == b]
         table.add_row(str(b), str(best["K"]), f"{best['predicted_speedup']:.2f}x",
                       "yes" if best["K"] else "no", *cells)
-    out_console = Console()
-    if not out_console.is_terminal:  # a pipe or file: the whole table, not cut to 80 columns
-        out_console = Console(width=160)
-    out_console.print(table)
+    _console().print(table)
     tps = ", ".join(f"K={a['k']} {a['tokens_per_step']:.2f}" for a in result["acceptance"])
     print(f"tokens per verification step: {tps}")
     print("batch_size_table: " + json.dumps(result["batch_size_table"]))
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "advice.json").write_text(json.dumps(result, indent=1))
-        print(f"advice: {out / 'advice.json'}")
-    return 0
+
+
+def print_comparison(advice: dict, bench: dict) -> None:
+    """`compare_with_bench` as a table and its median error."""
+    from rich.table import Table
+
+    from specmoe.analysis.advise import compare_with_bench
+    cmp = compare_with_bench(advice, bench)
+    table = Table(title="advised against measured (bench throughput, static K at C = B)")
+    for col in ("B", "K", "predicted", "measured", "error"):
+        table.add_column(col)
+    for r in cmp["rows"]:
+        table.add_row(str(r["B"]), str(r["K"]), f"{r['predicted']:.2f}x",
+                      f"{r['measured']:.2f}x", f"{100 * r['error']:.1f}%")
+    _console().print(table)
+    best = ", ".join(f"B={b}: advised K={v['advised_K']}, measured best K={v['measured_best_K']}"
+                     for b, v in cmp["best"].items())
+    print(f"median error {100 * cmp['median_error']:.1f}% over {len(cmp['rows'])} (B, K); {best}")

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from specmoe.analysis.advise import (AdviseConfig, batch_size_table, best_k, median_error)
+from specmoe.analysis.advise import (AdviseConfig, batch_size_table, best_k, compare_with_bench,
+                                     median_error, read_results)
 from specmoe.entrypoints.advise_cli import read_prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -36,7 +37,8 @@ def test_median_error():
 
 @pytest.mark.parametrize("bad, match", [
     (dict(batch_sizes=[0, 2]), "batch_sizes"), (dict(max_k=0), "max_k"),
-    (dict(max_tokens=5), "max_tokens"), (dict(prompts=["  "]), "no non-empty prompt")])
+    (dict(max_tokens=5), "max_tokens"), (dict(prompts=["  "]), "no non-empty prompt"),
+    (dict(prompts=["a"], datasets=["mt_bench"]), "prompts or datasets")])
 def test_config_checks(bad, match):
     with pytest.raises(ValueError, match=match):
         AdviseConfig(model="m", draft="ngram", **bad)
@@ -59,13 +61,64 @@ def test_prompt_files(tmp_path):
         read_prompts(str(tmp_path / "none.txt"))
 
 
+def _bench(speedups: dict[str, dict[str, float]]) -> dict:
+    """bench throughput results with these median speedups by mode and C."""
+    return {"ratios": {"speedup_by_mode": {
+        mode: {c: {"median": v, "each": [v]} for c, v in by_c.items()}
+        for mode, by_c in speedups.items()}}}
+
+
+def test_compare_with_bench():
+    advice = {"rows": _rows({1: [1.2, 1.5], 4: [1.1, 0.9], 8: [0.8, 0.6]}),
+              "best": {"1": {"K": 2}, "4": {"K": 1}, "8": {"K": 0}}}
+    bench = _bench({"static:1": {"1": 1.0, "4": 1.1, "16": 0.7},
+                    "static:2": {"1": 1.5, "4": 0.6}, "adaptive": {"1": 1.4, "4": 1.0}})
+    cmp = compare_with_bench(advice, bench)
+    assert [(r["B"], r["K"]) for r in cmp["rows"]] == [(1, 1), (1, 2), (4, 1), (4, 2)]
+    assert [r["error"] for r in cmp["rows"]] == pytest.approx([0.2, 0.0, 0.0, 0.5])
+    assert cmp["median_error"] == pytest.approx(0.1)
+    assert cmp["best"] == {1: {"advised_K": 2, "measured_best_K": 2},
+                           4: {"advised_K": 1, "measured_best_K": 1}}
+    with pytest.raises(ValueError, match="no \\(B, K\\) in common"):
+        compare_with_bench(advice, _bench({"adaptive": {"1": 1.0}}))
+
+
+def test_compare_from_saved_files(tmp_path, capsys):
+    import gzip
+
+    from specmoe.entrypoints.cli import main
+    advice = tmp_path / "advice.json"
+    advice.write_text(json.dumps({"rows": _rows({1: [1.2]}), "best": {"1": {"K": 1}}}))
+    bench = tmp_path / "results.json.gz"
+    with gzip.open(bench, "wt") as f:
+        json.dump(_bench({"static:1": {"1": 1.5}}), f)
+    assert read_results(bench)["ratios"]["speedup_by_mode"]["static:1"]["1"]["median"] == 1.5
+    assert main(["advise", "--from-advice", str(advice), "--compare", str(bench)]) == 0
+    assert "median error 20.0% over 1 (B, K)" in capsys.readouterr().out
+    assert main(["advise", "--from-advice", str(advice)]) == 2
+    assert "needs --compare" in capsys.readouterr().err
+    assert main(["advise", "--draft", "ngram"]) == 2
+    assert "--model and --draft are required" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text("{oops")
+    assert main(["advise", "--from-advice", str(tmp_path / "bad.json"), "--compare",
+                 str(bench)]) == 2
+    assert "not a JSON results file" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_advise_on_the_tiny_pair(tmp_path, capsys):
+    from specmoe import LLM
+    from specmoe.bench.throughput import ThroughputBenchConfig, build_prompts
     from specmoe.entrypoints.cli import main
     assert main(["advise", "--model", "tiny-moe", "--draft", "tiny-moe-draft",
                  "--batch-sizes", "1,2", "--max-k", "2", "--max-tokens", "12",
+                 "--datasets", "humaneval,spec_bench", "--num-prompts", "3",
                  "--dtype", "float32", "--threads", "1", "--out", str(tmp_path)]) == 0
     advice = json.loads((tmp_path / "advice.json").read_text())
+    bench = ThroughputBenchConfig(model="tiny-moe", datasets=["humaneval", "spec_bench"],
+                                  num_requests=3, concurrency=[3])
+    want = [len(p["token_ids"]) for p in build_prompts(bench, LLM("tiny-moe"))]
+    assert advice["prompt_tokens"] == want  # the bench's own prompts
     assert [(r["B"], r["K"]) for r in advice["rows"]] == [(1, 1), (1, 2), (2, 1), (2, 2)]
     for r in advice["rows"]:
         assert r["Tt_K+1_s"] > 0 and r["Td_1_s"] > 0 and r["engine_overhead_s"] >= 0
