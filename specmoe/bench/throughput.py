@@ -7,10 +7,12 @@ C sees the same prompt mix (a C=1 baseline on one short prompt would flatter not
 measure little), a run at C < num_requests processes the first num_requests prompts in
 successive waves of C; a run at C >= num_requests is one wave of C distinct prompts. The
 engine's counters (`EngineStats`) are reset before each run and the target's prefix cache is
-emptied, so every run starts cold. Modes are interleaved: each repetition sweeps every C, plain then
-speculative at each, so the machine's drift hits both modes (and every C) alike, and the
-ratios (throughput at C over plain throughput at C=1, speculative over plain at C) are taken
-within one repetition and summarised by their median.
+emptied, so every run starts cold. Modes are interleaved: each repetition sweeps every C, and
+at each C the modes alternate wave by wave (`interleave="wave"`: wave 1 plain, wave 1
+speculative, wave 2 ...; "run": whole runs, plain then speculative), so the machine's drift
+hits every mode (and every C) alike, and the ratios (throughput at C over plain throughput at
+C=1, speculative over plain at C) are taken within one repetition and summarised by their
+median.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from specmoe.loader.aliases import DEFAULT_MODEL
 from specmoe.utils.data import DATASETS, load_prompts
 
 MODES = ("plain", "spec")
+INTERLEAVE = ("wave", "run")  # how the modes alternate within a repetition
 SPEC_BENCH_CATEGORIES = ["summarization", "rag", "translation", "qa", "math_reasoning"]
 # One step's counters as recorded in each run's "steps" (one list per step).
 
@@ -58,6 +61,8 @@ class ThroughputBenchConfig:
             baseline of the scaling ratios (1 for the target line).
         max_tokens: tokens generated per request (EOS ignored).
         reps: repetitions of the whole sweep.
+        interleave: "wave" (the modes alternate wave by wave within each run: the fairest
+            under a drifting machine) or "run" (whole runs, one mode after another).
         datasets: prompt sets, interleaved; each is taken round-robin over its categories.
         num_requests: requests of a run at C < num_requests (waves of C); a run at a larger
             C has C requests. max(num_requests, max(concurrency)) distinct prompts are used
@@ -97,6 +102,7 @@ class ThroughputBenchConfig:
     expert_parallel_dispatch: str = "replicated"
     expert_placement: str = "contiguous"
     expert_parallel_timeout_s: float = 60.0
+    interleave: str = "wave"
 
     def __post_init__(self) -> None:
         if not self.concurrency or any(not isinstance(c, int) or c < 1
@@ -107,6 +113,8 @@ class ThroughputBenchConfig:
                      "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"invalid {name}={getattr(self, name)}: must be >= 1")
+        if self.interleave not in INTERLEAVE:
+            raise ValueError(f"invalid interleave={self.interleave!r}: one of {INTERLEAVE}")
         bad = [d for d in self.datasets if d not in DATASETS]
         if bad or not self.datasets:
             raise ValueError(f"invalid datasets={self.datasets}: choose from {DATASETS}")
@@ -278,43 +286,92 @@ def workload_kv_blocks(cfg: ThroughputBenchConfig, prompts: list[dict],
                                block_size)
 
 
+class RunRecorder:
+    """One run of one engine at one C, recorded wave by wave (`wave`), so that the waves of
+    several engines can alternate; `finish` gives what `run_once` returns. The engine's
+    counters and prefix cache are reset at the start; its step method is timed between
+    `wave` calls only (the target is shared with the other modes' engines)."""
+
+    def __init__(self, llm, concurrency: int) -> None:
+        from specmoe.engine.stats import EngineStats
+        self.llm, self.concurrency = llm, concurrency
+        core = llm.engine
+        core.stats = EngineStats()
+        llm.reset_prefix_cache()
+        self._prefix = core.scheduler.kv_cache.block_pool.prefix_cache_stats
+        self._queried, self._hit = self._prefix.num_query_tokens, self._prefix.num_hit_tokens
+        self.steps: list[list] = []
+        self.requests: list[dict] = []
+        self.wall = 0.0
+        self.ep_stats: dict | None = None
+
+    def wave(self, prompts: list[dict], indices: list[int], max_tokens: int) -> None:
+        """Run one wave (the prompts at `indices` submitted at once) and add it."""
+        core = self.llm.engine
+        probe = throughput_ep.CommunicationProbe.start(self.llm)
+        core.step = _timed_step(core, self.steps)  # instance attribute shadows the method
+        try:
+            t0 = time.perf_counter()
+            self.requests += _run_wave(self.llm, prompts, indices, max_tokens)
+            self.wall += time.perf_counter() - t0
+        finally:
+            del core.step
+            if probe is not None:
+                self.ep_stats = throughput_ep.merge(self.ep_stats, probe.finish())
+
+    def finish(self) -> dict:
+        """The run's raw figures (`run_once`)."""
+        queried = self._prefix.num_query_tokens - self._queried
+        hit_rate = (self._prefix.num_hit_tokens - self._hit) / queried if queried else 0.0
+        num_tokens = sum(r["num_tokens"] for r in self.requests)
+        run = {"concurrency": self.concurrency,
+               "num_waves": -(-len(self.requests) // self.concurrency),
+               "wall_seconds": self.wall, "num_output_tokens": num_tokens,
+               "tokens_per_s": num_tokens / self.wall, "requests": self.requests,
+               "steps": self.steps,
+               "engine_stats": self.llm.engine.stats.to_dict(prefix_cache_hit_rate=hit_rate)}
+        if self.ep_stats is not None:
+            run["expert_parallel"] = self.ep_stats
+        return run
+
+
 def run_once(llm, prompts: list[dict], concurrency: int, max_tokens: int,
              num_requests: int = 1) -> dict:
-    """One run at `concurrency` (see `waves_for`), timed from the first submission to the
-    last finish.
+    """One run at `concurrency` (see `waves_for`): its waves one after another, timed from
+    each wave's submission to its last finish.
 
-    Returns the run's raw figures: wall seconds, output tokens, tokens/s, every request
-    (latency from its wave's submission to its finish, time to first token, decode
-    tokens/s), every step (`STEP_FIELDS`), the engine's statistics over the run and its
-    prefix-cache hit rate.
+    Returns the run's raw figures: wall seconds (the waves' sum), output tokens, tokens/s,
+    every request (latency from its wave's submission to its finish, time to first token,
+    decode tokens/s), every step (`STEP_FIELDS`), the engine's statistics over the run and
+    its prefix-cache hit rate.
     """
-    from specmoe.engine.stats import EngineStats
-    core = llm.engine
-    core.stats = EngineStats()
-    llm.reset_prefix_cache()
-    prefix = core.scheduler.kv_cache.block_pool.prefix_cache_stats
-    queried, hit = prefix.num_query_tokens, prefix.num_hit_tokens
-    steps: list[list] = []
-    probe = throughput_ep.CommunicationProbe.start(llm)
-    core.step = _timed_step(core, steps)  # instance attribute shadows the method
-    try:
-        t0 = time.perf_counter()
-        requests = [row for wave in waves_for(len(prompts), concurrency, num_requests)
-                    for row in _run_wave(llm, prompts, wave, max_tokens)]
-        wall = time.perf_counter() - t0
-    finally:
-        del core.step
-        ep_stats = probe.finish() if probe is not None else None
-    queried = prefix.num_query_tokens - queried
-    hit_rate = (prefix.num_hit_tokens - hit) / queried if queried else 0.0
-    num_tokens = sum(r["num_tokens"] for r in requests)
-    run = {"concurrency": concurrency, "num_waves": -(-len(requests) // concurrency),
-           "wall_seconds": wall, "num_output_tokens": num_tokens,
-           "tokens_per_s": num_tokens / wall, "requests": requests, "steps": steps,
-           "engine_stats": core.stats.to_dict(prefix_cache_hit_rate=hit_rate)}
-    if ep_stats is not None:
-        run["expert_parallel"] = ep_stats
-    return run
+    rec = RunRecorder(llm, concurrency)
+    for wave in waves_for(len(prompts), concurrency, num_requests):
+        rec.wave(prompts, wave, max_tokens)
+    return rec.finish()
+
+
+def run_interleaved(engines: dict, modes: list[str], prompts: list[dict], concurrency: int,
+                    max_tokens: int, num_requests: int, on_wave=None) -> dict[str, dict]:
+    """One run per mode at `concurrency`, their waves alternating: wave 1 in every mode,
+    then wave 2, ..., the modes' order reversed on every other wave (so no mode always
+    follows the same one). The machine's drift within the run (memory bandwidth moving by
+    tens of percent within a minute) then hits every mode alike. A mode that raises is
+    dropped from the remaining waves and returned as {"error": ...}."""
+    recs = {m: RunRecorder(engines[m], concurrency) for m in modes}
+    errors: dict[str, dict] = {}
+    for i, wave in enumerate(waves_for(len(prompts), concurrency, num_requests)):
+        for mode in (modes if i % 2 == 0 else modes[::-1]):
+            if mode in errors:
+                continue
+            try:
+                recs[mode].wave(prompts, wave, max_tokens)
+            except Exception as exc:  # noqa: BLE001 - kept in the report
+                errors[mode] = {"concurrency": concurrency,
+                                "error": f"{type(exc).__name__}: {exc}"}
+            if on_wave is not None:
+                on_wave(mode, len(wave))
+    return {m: errors.get(m) or recs[m].finish() for m in modes}
 
 
 def _run_wave(llm, prompts: list[dict], indices: list[int], max_tokens: int) -> list[dict]:
@@ -354,7 +411,8 @@ def _request_row(out, prompt_index: int, latency: float) -> dict:
 
 
 def run_sweep(cfg: ThroughputBenchConfig, engines: dict, prompts: list[dict]) -> list[dict]:
-    """Every repetition x concurrency x mode (plain then spec), with a progress bar in
+    """Every repetition x concurrency, all modes interleaved (`cfg.interleave`: wave by
+    wave, `run_interleaved`, or run by run, plain then the others), with a progress bar in
     output tokens. A run that raises is kept with its "error" and the sweep goes on."""
     from rich.progress import Progress
     runs = []
@@ -364,6 +422,14 @@ def run_sweep(cfg: ThroughputBenchConfig, engines: dict, prompts: list[dict]) ->
         task = progress.add_task("bench throughput", total=total)
         for rep in range(cfg.reps):
             for c in cfg.concurrency:
+                if cfg.interleave == "wave":
+                    progress.update(task, description=f"rep {rep + 1} C={c}, modes by wave")
+                    def advance(_mode, n):
+                        progress.advance(task, n * cfg.max_tokens)
+                    done = run_interleaved(engines, list(cfg.modes), prompts, c,
+                                           cfg.max_tokens, cfg.num_requests, advance)
+                    runs += [{"mode": m, "rep": rep} | done[m] for m in cfg.modes]
+                    continue
                 for mode in cfg.modes:
                     progress.update(task, description=f"rep {rep + 1} C={c} {mode}")
                     try:

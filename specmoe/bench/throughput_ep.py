@@ -34,6 +34,18 @@ class CommunicationProbe:
         return out | {"rank_load": emap.rank_loads_over_layers(self.recorder.take())}
 
 
+def merge(a: dict | None, b: dict) -> dict:
+    """Two `CommunicationProbe.finish` results of one engine (its waves) as one: counts
+    summed, the share recomputed, the ranks' loads summed."""
+    if a is None:
+        return b
+    out = {k: a[k] + b[k] for k in a if k not in ("communication_share", "rank_load")}
+    comm = out["broadcast_seconds"] + out["collective_seconds"]
+    out["communication_share"] = comm / out["forward_seconds"] if out["forward_seconds"] else 0.0
+    out["rank_load"] = [x + y for x, y in zip(a["rank_load"], b["rank_load"])]
+    return out
+
+
 def summarize(runs: list[dict]) -> dict:
     """Expert-parallel runs of one (C, mode): the median communication share, collective
     bytes per forward and the pairs each rank served, summed over runs ({} otherwise)."""

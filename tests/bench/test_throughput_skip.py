@@ -48,7 +48,7 @@ def test_too_long_prompts_are_skipped_and_counted_and_every_run_succeeds(tmp_pat
 def test_failed_runs_exit_non_zero(tmp_path, monkeypatch, capsys):
     def fail(*args, **kwargs):
         raise RuntimeError("boom")
-    monkeypatch.setattr(throughput, "run_once", fail)
+    monkeypatch.setattr(throughput.RunRecorder, "wave", fail)
     assert main([*SMALL_RUN, "--out", str(tmp_path)]) == 1
     assert "2 of 2 runs failed, first: RuntimeError: boom" in capsys.readouterr().err
 

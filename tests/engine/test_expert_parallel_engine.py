@@ -59,7 +59,7 @@ def _check_bench_and_metrics(ep) -> None:
     assert metrics.attach_expert_parallel(ep.target)
     before = ep.target.comm.forward_seconds
     prompts = [{"token_ids": [5, 17, 42, 99]}, {"token_ids": [3, 3, 8]}]
-    run = run_once(ep, prompts, concurrency=2, max_tokens=6)
+    run = run_once(ep, prompts, concurrency=1, max_tokens=6, num_requests=2)  # 2 waves
     stats = run["expert_parallel"]
     arch = ep.target.arch
     tokens = run["engine_stats"]["num_scheduled_tokens"]
