@@ -5,7 +5,13 @@ second (the choice in `spec_decode.choice`, the time models in `spec_decode.time
 - Acceptance: per request and draft position, the rate at which a reached draft is accepted,
   shrunk towards the engine-wide rate by `prior_strength` pseudo-drafts (a Beta-binomial
   estimate), so that a new request starts at the engine's rate and moves to its own as it
-  drafts. The j-th draft adds prod_{i<=j} a_i expected tokens, so K drafts give
+  drafts. The engine-wide rate is taken optimistically, `acceptance_optimism` standard
+  errors of its data above its mean (an upper confidence bound, as in UCB bandit policies,
+  Auer et al. 2002; the error sqrt(p (1 - p) / n) weighted n / (n + 2), as the n reached
+  drafts are in the mean, so a position never reached keeps the uniform prior's 1/2):
+  while few drafts have been verified, a poor start (the first drafts of a warm-up
+  rejected) does not switch speculation off for good, since once off only probes bring
+  data; over many drafts the bound meets the mean. The j-th draft adds prod_{i<=j} a_i expected tokens, so K drafts give
   1 + sum_{j<K} prod_{i<=j} a_i (Leviathan et al. 2023, arXiv 2211.17192, eq. 1, with
   position-dependent rates).
 - Step time: the target forward's seconds as a convex, increasing, piecewise-linear function
@@ -71,6 +77,7 @@ class AdaptiveSettings:
 
     max_k: int
     prior_strength: float = 4.0
+    acceptance_optimism: float = 1.0  # standard errors above the engine-wide rate
     hysteresis: float = 0.03
     probe_every: int = 16
     probe_every_max: int = 256
@@ -92,8 +99,8 @@ class AdaptiveSettings:
 class AcceptanceTracker:
     """Draft acceptance per position, engine-wide and per request."""
 
-    def __init__(self, max_k: int, prior_strength: float) -> None:
-        self.max_k, self.prior_strength = max_k, prior_strength
+    def __init__(self, max_k: int, prior_strength: float, optimism: float = 0.0) -> None:
+        self.max_k, self.prior_strength, self.optimism = max_k, prior_strength, optimism
         self.engine = np.zeros((2, max_k))  # [reached, accepted] per position
         self._requests: dict[str, np.ndarray] = {}
 
@@ -112,7 +119,11 @@ class AcceptanceTracker:
 
     def rates(self, request_id: str) -> np.ndarray:
         """[max_k] estimated acceptance rate of a reached draft at each position."""
-        prior = (self.engine[1] + 1) / (self.engine[0] + 2)
+        reached = self.engine[0]
+        prior = (self.engine[1] + 1) / (reached + 2)
+        if self.optimism:  # the data's standard error, weighted as the data are in the mean
+            prior = np.minimum(1.0, prior + self.optimism * np.sqrt(
+                prior * (1 - prior) * reached) / (reached + 2))
         own = self._requests.get(request_id)
         if own is None:
             return prior
@@ -151,7 +162,8 @@ class AdaptivePolicy:
 
     def __init__(self, settings: AdaptiveSettings) -> None:
         self.s = settings
-        self.acceptance = AcceptanceTracker(settings.max_k, settings.prior_strength)
+        self.acceptance = AcceptanceTracker(settings.max_k, settings.prior_strength,
+                                            settings.acceptance_optimism)
         self.step_time = StepTimeModel(settings.window, settings.min_fit_steps,
                                        settings.is_moe)
         self.overlap = settings.overlap_prior

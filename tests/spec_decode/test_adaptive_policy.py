@@ -82,6 +82,27 @@ def test_acceptance_starts_at_the_engine_rate_and_moves_to_the_request():
     assert t.rates("bad")[0] == pytest.approx(t.rates("new")[0])
 
 
+def test_the_engine_rate_is_optimistic_while_few_drafts_were_seen():
+    """An upper confidence bound: two rejected first drafts leave room to try again, forty
+    rejections of fifty do not."""
+    bold = AcceptanceTracker(max_k=2, prior_strength=4.0, optimism=1.0)
+    plain = AcceptanceTracker(max_k=2, prior_strength=4.0)
+    for t in (bold, plain):
+        t.observe("a", 2, 0)
+        t.observe("a", 2, 0)
+    assert plain.rates("new")[0] == pytest.approx(1 / 4)
+    assert bold.rates("new")[0] == pytest.approx(1 / 4 + np.sqrt(3 / 16 * 2) / 4)  # 0.40
+    assert bold.rates("new")[1] == plain.rates("new")[1] == 0.5  # never reached
+    for t in (bold, plain):
+        for i in range(48):
+            t.observe("b", 2, int(i % 5 == 0))  # 10 of 48 accepted
+    mean = 11 / 52
+    assert plain.rates("new")[0] == pytest.approx(mean)
+    assert bold.rates("new")[0] == pytest.approx(mean + np.sqrt(mean * (1 - mean) * 50) / 52)
+    assert bold.rates("new")[0] - mean < 0.06
+    assert np.all(bold.rates("new") <= 1.0)
+
+
 def test_step_time_model_is_flat_where_memory_bound_and_steep_where_compute_bound():
     m = StepTimeModel(window=64, min_steps=8)
     assert m.predict(10) is None
