@@ -47,9 +47,11 @@ second (the choice in `spec_decode.choice`, the time models in `spec_decode.time
   doubles the interval, up to `probe_every_max` steps; a solve that turns speculation on
   resets it (exponential backoff, as for retries). Where the catch-ups are known (a draft
   model's cache), a probe takes the held requests with the least catch-up first, up to
-  `probe_catch_up_rows` catch-up tokens in all (at least one request): probing sixteen
-  requests held since their prompts ran their whole prompts through the draft, 10% of a
-  32-token run of the Qwen2.5-Coder pair at 16 requests.
+  `probe_catch_up_rows` catch-up tokens in all, and none whose catch-up alone exceeds that
+  (then the count restarts): probing sixteen requests held since their prompts ran their
+  whole prompts through the draft, 10% of a 32-token run of the Qwen2.5-Coder pair at 16
+  requests, and probing one request held since its 693-token prompt took 1.7 s, 8% of a
+  run at one request.
 - Speculation off: once the choice is K = 0 for every request, the same batch keeps K = 0
   (probes aside) without re-solving until a probe's results are in, the batch changes or
   `recheck_every` steps have passed (nothing else informs the choice while no request
@@ -140,11 +142,11 @@ class AcceptanceTracker:
 
 def cheapest(chosen: list[bool], costs: list[int], budget: int) -> list[bool]:
     """Of the chosen entries, those of least cost, in ascending order while their costs sum
-    to at most `budget`, and always the cheapest one."""
+    to at most `budget` (none where the cheapest alone exceeds it)."""
     keep = [False] * len(chosen)
     spent = 0
     for i in sorted((i for i, c in enumerate(chosen) if c), key=costs.__getitem__):
-        if spent and spent + costs[i] > budget:
+        if spent + costs[i] > budget:
             break
         keep[i], spent = True, spent + costs[i]
     return keep
@@ -318,7 +320,7 @@ class AdaptivePolicy:
                ) -> list[int]:
         """Every `probe_interval` steps with a request held at K = 0, they draft their cap
         (at most K_max): all of them, or with `pending` catch-ups those of least catch-up
-        within `probe_catch_up_rows`."""
+        within `probe_catch_up_rows` (none where each exceeds it)."""
         idle = [k == 0 and c > 0 for k, c in zip(ks, caps)]
         if not any(idle):
             # only speculation restarts the count, not a step where no request may draft
@@ -330,10 +332,12 @@ class AdaptivePolicy:
         if self._since_probe < self.probe_interval:
             return ks
         self._since_probe = 0
-        self._probed = True
-        self.predicted_step_s = None  # the prediction was for the Ks without the probes
         if pending is not None:
             idle = cheapest(idle, pending, self.s.probe_catch_up_rows)
+            if not any(idle):  # every catch-up over budget: no probe, and no back-off
+                return ks
+        self._probed = True
+        self.predicted_step_s = None  # the prediction was for the Ks without the probes
         return [min(c, self.s.max_k) if i else k for k, c, i in zip(ks, caps, idle)]
 
     def forget(self, request_id: str) -> None:

@@ -195,7 +195,8 @@ def test_requests_held_at_zero_probe_on_the_same_step(monkeypatch):
 
 def test_a_probe_with_known_catch_ups_takes_the_cheapest_within_its_budget():
     """A draft model must first run a held request's unseen tokens: a probe takes the held
-    requests of least catch-up while they fit `probe_catch_up_rows`, and always one."""
+    requests of least catch-up while they fit `probe_catch_up_rows`, none whose catch-up
+    alone exceeds it."""
     p = AdaptivePolicy(AdaptiveSettings(max_k=4, probe_every=2, probe_every_max=2,
                                         probe_catch_up_rows=100))
     _calibrated(p, 0.0, 0.001)  # compute-bound: every request held at K = 0
@@ -204,9 +205,9 @@ def test_a_probe_with_known_catch_ups_takes_the_cheapest_within_its_budget():
     assert sum(p.choose(ids, caps, 5, pending).values()) == 0
     assert p.choose(ids, caps, 5, pending) == {"a": 0, "b": 4, "c": 0, "d": 0, "e": 4}
     p.choose(ids, caps, 5, [300, 400, 500, 1, 200])
-    # over budget on its own: the cheapest alone
+    # every catch-up over budget on its own: no probe
     assert p.choose(ids, caps, 5, [300, 400, 500, 1, 200]) == {
-        "a": 0, "b": 0, "c": 0, "d": 0, "e": 4}
+        "a": 0, "b": 0, "c": 0, "d": 0, "e": 0}
     # without catch-ups (n-gram drafting costs no draft forward) every held request probes
     p.choose(ids, caps, 5)
     assert p.choose(ids, caps, 5) == {"a": 4, "b": 4, "c": 4, "d": 0, "e": 4}
