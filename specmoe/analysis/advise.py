@@ -135,7 +135,8 @@ def measure_overheads(llm, prompts, cfg: AdviseConfig, tt_one: dict[int, float]
 
 def advise(cfg: AdviseConfig, progress=None) -> dict:
     """Everything in the module docstring, JSON-ready: {config, context_len, prompt_tokens
-    (each prompt's length), acceptance, rows, best, batch_size_table}."""
+    (each prompt's length), acceptance, tt (the measured Tt(B, T)), rows, best,
+    batch_size_table}."""
     from specmoe.config import SpeculativeConfig
     from specmoe.engine.llm_engine import LLM
     from specmoe.sampling_params import SamplingParams
@@ -182,6 +183,7 @@ def advise(cfg: AdviseConfig, progress=None) -> dict:
     best = best_k(rows)
     return {"config": asdict(cfg), "context_len": ctx,
             "prompt_tokens": [len(p) for p in prompts], "acceptance": acceptance,
+            "tt": [{"B": b, "T": t, "seconds": s} for (b, t), s in sorted(tt.items())],
             "rows": rows, "best": best, "batch_size_table": batch_size_table(best)}
 
 

@@ -123,6 +123,8 @@ def test_advise_on_the_tiny_pair(tmp_path, capsys):
     for r in advice["rows"]:
         assert r["Tt_K+1_s"] > 0 and r["Td_1_s"] > 0 and r["engine_overhead_s"] >= 0
         assert 1.0 <= r["tokens_per_step"] <= r["K"] + 1
+    assert {(t["B"], t["T"]) for t in advice["tt"]} == {(b, t) for b in (1, 2)
+                                                       for t in (1, 2, 3)}
     assert set(advice["best"]) == {"1", "2"}
     out = capsys.readouterr().out
     assert "batch_size_table: " + json.dumps(advice["batch_size_table"]) in out
