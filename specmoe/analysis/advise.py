@@ -85,6 +85,8 @@ class AdviseConfig:
             raise ValueError("no non-empty prompt given")
         if self.prompts is not None and self.datasets:
             raise ValueError("give prompts or datasets, not both")
+        if self.num_prompts is not None and self.num_prompts < 1:
+            raise ValueError(f"invalid num_prompts={self.num_prompts}: must be >= 1")
 
 
 def _prompt_ids(llm, cfg: AdviseConfig) -> list[list[int]]:

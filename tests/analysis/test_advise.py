@@ -38,7 +38,8 @@ def test_median_error():
 @pytest.mark.parametrize("bad, match", [
     (dict(batch_sizes=[0, 2]), "batch_sizes"), (dict(max_k=0), "max_k"),
     (dict(max_tokens=5), "max_tokens"), (dict(prompts=["  "]), "no non-empty prompt"),
-    (dict(prompts=["a"], datasets=["mt_bench"]), "prompts or datasets")])
+    (dict(prompts=["a"], datasets=["mt_bench"]), "prompts or datasets"),
+    (dict(num_prompts=0), "num_prompts=0")])
 def test_config_checks(bad, match):
     with pytest.raises(ValueError, match=match):
         AdviseConfig(model="m", draft="ngram", **bad)
