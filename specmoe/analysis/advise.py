@@ -102,12 +102,12 @@ def _prompt_ids(llm, cfg: AdviseConfig) -> list[list[int]]:
 def _bench_prompt_ids(llm, cfg: AdviseConfig) -> list[list[int]]:
     """The prompts `bench throughput --datasets ... --num-requests num_prompts` runs (those
     that fit the context with max_tokens more)."""
-    from specmoe.bench.throughput import ThroughputBenchConfig, build_prompts, fitting_prompts
+    from specmoe.bench.throughput import (SPEC_BENCH_CATEGORIES, ThroughputBenchConfig,
+                                          build_prompts, fitting_prompts)
     n = cfg.num_prompts or max(cfg.batch_sizes)
-    extra = ({"spec_bench_categories": cfg.spec_bench_categories}
-             if cfg.spec_bench_categories else {})
-    bench = ThroughputBenchConfig(model=cfg.model, datasets=cfg.datasets, num_requests=n,
-                                  concurrency=[n], **extra)
+    bench = ThroughputBenchConfig(
+        model=cfg.model, datasets=cfg.datasets, num_requests=n, concurrency=[n],
+        spec_bench_categories=cfg.spec_bench_categories or SPEC_BENCH_CATEGORIES)
     fit, _ = fitting_prompts(build_prompts(bench, llm), cfg.max_tokens, llm.max_model_len)
     return [p["token_ids"] for p in fit]
 

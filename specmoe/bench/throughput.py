@@ -412,33 +412,26 @@ def _request_row(out, prompt_index: int, latency: float) -> dict:
 
 def run_sweep(cfg: ThroughputBenchConfig, engines: dict, prompts: list[dict]) -> list[dict]:
     """Every repetition x concurrency, all modes interleaved (`cfg.interleave`: wave by
-    wave, `run_interleaved`, or run by run, plain then the others), with a progress bar in
-    output tokens. A run that raises is kept with its "error" and the sweep goes on."""
+    wave, `run_interleaved` over all modes, or run by run, plain then the others), with a
+    progress bar in output tokens. A run that raises is kept with its "error" and the sweep
+    goes on."""
     from rich.progress import Progress
     runs = []
     total = cfg.reps * len(cfg.modes) * cfg.max_tokens * sum(
         max(c, cfg.num_requests) for c in cfg.concurrency)
+    groups = [list(cfg.modes)] if cfg.interleave == "wave" else [[m] for m in cfg.modes]
     with Progress() as progress:
         task = progress.add_task("bench throughput", total=total)
+
+        def advance(_mode: str, num_requests: int) -> None:
+            progress.advance(task, num_requests * cfg.max_tokens)
         for rep in range(cfg.reps):
             for c in cfg.concurrency:
-                if cfg.interleave == "wave":
-                    progress.update(task, description=f"rep {rep + 1} C={c}, modes by wave")
-                    def advance(_mode, n):
-                        progress.advance(task, n * cfg.max_tokens)
-                    done = run_interleaved(engines, list(cfg.modes), prompts, c,
-                                           cfg.max_tokens, cfg.num_requests, advance)
-                    runs += [{"mode": m, "rep": rep} | done[m] for m in cfg.modes]
-                    continue
-                for mode in cfg.modes:
-                    progress.update(task, description=f"rep {rep + 1} C={c} {mode}")
-                    try:
-                        run = run_once(engines[mode], prompts, c, cfg.max_tokens,
-                                       cfg.num_requests)
-                    except Exception as exc:  # noqa: BLE001 - kept in the report
-                        run = {"concurrency": c, "error": f"{type(exc).__name__}: {exc}"}
-                    runs.append({"mode": mode, "rep": rep} | run)
-                    progress.advance(task, max(c, cfg.num_requests) * cfg.max_tokens)
+                for modes in groups:
+                    progress.update(task, description=f"rep {rep + 1} C={c} {', '.join(modes)}")
+                    done = run_interleaved(engines, modes, prompts, c, cfg.max_tokens,
+                                           cfg.num_requests, advance)
+                    runs += [{"mode": m, "rep": rep} | done[m] for m in modes]
     return runs
 
 

@@ -3,10 +3,12 @@ the (token, slot) pairs each rank's experts served, and their summary per (C, mo
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 from specmoe.layers.moe.backends import set_expert_stats
 from specmoe.layers.moe.stats import ExpertLoadRecorder, NullExpertStats
+from specmoe.worker.expert_parallel import CommunicationStats
 
 
 class CommunicationProbe:
@@ -39,11 +41,10 @@ def merge(a: dict | None, b: dict) -> dict:
     summed, the share recomputed, the ranks' loads summed."""
     if a is None:
         return b
-    out = {k: a[k] + b[k] for k in a if k not in ("communication_share", "rank_load")}
-    comm = out["broadcast_seconds"] + out["collective_seconds"]
-    out["communication_share"] = comm / out["forward_seconds"] if out["forward_seconds"] else 0.0
-    out["rank_load"] = [x + y for x, y in zip(a["rank_load"], b["rank_load"])]
-    return out
+    total = CommunicationStats(**{f.name: a[f.name] + b[f.name]
+                                  for f in dataclasses.fields(CommunicationStats)})
+    return total.to_dict() | {"rank_load": [x + y for x, y in zip(a["rank_load"],
+                                                                 b["rank_load"])]}
 
 
 def summarize(runs: list[dict]) -> dict:

@@ -44,7 +44,7 @@ def markdown(results: dict) -> str:
              f"{_lengths(results['prompts'])} tokens); a run at C < {cfg['num_requests']} "
              f"processes the same {cfg['num_requests']} requests in waves of C, a run at a "
              f"larger C one wave of C; {cfg['reps']} repetitions of the sweep "
-             f"{'(plain only)' if cfg['draft'] == 'none' else '(plain then speculative at each C)'}"
+             f"{_interleave(cfg)}"
              f"; max_num_batched_tokens "
              f"{cfg['max_num_batched_tokens']}; torch "
              f"threads {env['torch_num_threads']} of {env['cpu_count']} CPUs, load average "
@@ -361,3 +361,12 @@ def _log_y(ax) -> None:
     ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def _interleave(cfg: dict) -> str:
+    """How the report's modes alternated (configs saved before `interleave` ran whole runs)."""
+    if cfg["draft"] == "none":
+        return "(plain only)"
+    if cfg.get("interleave", "run") == "wave":
+        return "(at each C the modes alternate wave by wave)"
+    return "(plain then speculative at each C)"

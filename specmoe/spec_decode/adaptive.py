@@ -11,9 +11,9 @@ second (the choice in `spec_decode.choice`, the time models in `spec_decode.time
   drafts are in the mean, so a position never reached keeps the uniform prior's 1/2):
   while few drafts have been verified, a poor start (the first drafts of a warm-up
   rejected) does not switch speculation off for good, since once off only probes bring
-  data; over many drafts the bound meets the mean. The j-th draft adds prod_{i<=j} a_i expected tokens, so K drafts give
-  1 + sum_{j<K} prod_{i<=j} a_i (Leviathan et al. 2023, arXiv 2211.17192, eq. 1, with
-  position-dependent rates).
+  data; over many drafts the bound meets the mean. The j-th draft adds prod_{i<=j} a_i
+  expected tokens, so K drafts give 1 + sum_{j<K} prod_{i<=j} a_i (Leviathan et al. 2023,
+  arXiv 2211.17192, eq. 1, with position-dependent rates).
 - Step time: the target forward's seconds as a convex, increasing, piecewise-linear function
   of its rows (the tokens it computes): c0 + c1 r + sum_j c_j max(0, r - knot_j), all c >= 0,
   fitted online by non-negative least squares (relative error) on the recent steps' timings.

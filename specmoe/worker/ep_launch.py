@@ -25,13 +25,17 @@ from specmoe.worker.expert_parallel import (ExpertParallelRunner, keep_rank_expe
                                             shard_experts, worker_loop)
 from specmoe.worker.model_runner import ModelRunner
 
+
+def _backend(device) -> str:
+    return "nccl" if str(device).startswith("cuda") else "gloo"
+
+
 def init_group(rank: int, world_size: int, port: int, device: str, timeout_s: float
                ) -> None:
     """Join the default group on 127.0.0.1:`port` (gloo on CPU, NCCL on CUDA)."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
-    backend = "nccl" if str(device).startswith("cuda") else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
+    dist.init_process_group(_backend(device), rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
@@ -98,7 +102,7 @@ def join_torchrun_group(model_config, ep: ExpertParallelConfig) -> list[RemoteRa
     device = str(model_config.device or "cpu")
     if device.startswith("cuda"):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+    dist.init_process_group(_backend(device),
                             timeout=datetime.timedelta(seconds=ep.timeout_s))
     if rank > 0:
         serve_as_worker(model_config, ep)

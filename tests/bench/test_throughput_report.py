@@ -178,6 +178,9 @@ def test_markdown_and_files(runs, tmp_path):
     reloaded = json.loads(paths[0].read_text())
     assert markdown(reloaded) == md  # the report can be rebuilt from the JSON file
     assert "float32, greedy" in md  # no quantised weights named
+    assert "(at each C the modes alternate wave by wave)" in md
+    results["config"]["interleave"] = "run"
+    assert "(plain then speculative at each C)" in markdown(results)
     results["config"] |= {"quantization": "int8", "draft_quantization": "int4"}
     results["environment"]["int4_batch_invariant"] = True
     assert "float32, int8 target weights, int4 draft weights, greedy" in markdown(results)
