@@ -321,7 +321,6 @@ class EngineCore:
         if overlap is not None:
             self.policy.observe_overlap(overlap)
         if not timed:
-            self.policy.predicted_step_s = None
             return
         windows = [len(s.token_ids) for s in scheduled]
         error = self.policy.observe_step(sum(windows), seconds, windows)
@@ -359,10 +358,13 @@ class EngineCore:
                 [ask.num_tokens for _, ask in asks], pending)
             self.policy.observe_draft(max(ask.num_tokens for _, ask in asks), draft_time,
                                       rows)
-        for (req, _), proposal in zip(asks, proposals):
+        for (req, ask), proposal in zip(asks, proposals):
             if isinstance(proposal, Exception):
                 self._fail(req, proposal)
                 continue
+            if self.policy is not None:
+                self.policy.observe_proposed(req.request_id, ask.num_tokens,
+                                             len(proposal.token_ids))
             req.spec_token_ids = proposal.token_ids
             self._draft_probs[req.request_id] = proposal.probs
             req.spec_stats.draft_time_s += draft_time

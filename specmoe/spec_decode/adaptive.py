@@ -14,12 +14,14 @@ second (the choice in `spec_decode.choice`, the time models in `spec_decode.time
   data; over many drafts the bound meets the mean. The j-th draft adds prod_{i<=j} a_i
   expected tokens, so K drafts give 1 + sum_{j<K} prod_{i<=j} a_i (Leviathan et al. 2023,
   arXiv 2211.17192, eq. 1, with position-dependent rates).
-- Step time: the target forward's seconds as a convex, increasing, piecewise-linear function
-  of its rows (the tokens it computes): c0 + c1 r + sum_j c_j max(0, r - knot_j), all c >= 0,
-  fitted online by non-negative least squares (relative error) on the recent steps' timings.
-  Few rows cost little more than one (the weights are read once: memory-bound), many rows
-  cost in proportion (compute-bound); the hinges let prefill chunks calibrate the second
-  regime without making a few draft rows look expensive. On a MoE target one more term,
+- Step time: the target forward's seconds as an increasing piecewise-linear function of its
+  rows (the tokens it computes): c0 + c_s clip(r - 1, 0, 1) + c1 r + sum_j c_j max(0, r -
+  knot_j), all c >= 0, fitted online by non-negative least squares (relative error) on the
+  recent steps' timings (`time_models`). Few rows cost little more than one (the weights
+  are read once: memory-bound), many rows cost in proportion (compute-bound); the hinges
+  let prefill chunks calibrate the second regime without making a few draft rows look
+  expensive; c_s is the step from one row to two (matrix-vector to matrix-matrix kernels),
+  paid by a single request's first draft. On a MoE target one more term,
   c_U U/N: the share of experts the step's windows touch (`routing_overlap`: expected from
   the adjacent-token overlap measured live on sampled steps), since a memory-bound MoE layer
   reads each touched expert once, so K drafts of one request cost about the experts they
@@ -52,11 +54,16 @@ second (the choice in `spec_decode.choice`, the time models in `spec_decode.time
   whole prompts through the draft, 10% of a 32-token run of the Qwen2.5-Coder pair at 16
   requests, and probing one request held since its 693-token prompt took 1.7 s, 8% of a
   run at one request.
-- Speculation off: once the choice is K = 0 for every request, the same batch keeps K = 0
-  (probes aside) without re-solving until a probe's results are in, the batch changes or
-  `recheck_every` steps have passed (nothing else informs the choice while no request
-  drafts, and on a small model a solve costs a step's tenth). The step-time model is
-  refitted only when a solve needs it.
+- Held choices: a solve's Ks stay for the same batch (probes aside) without re-solving
+  until a probe's results are in, a request joins or `resolve_every` steps have passed
+  (`recheck_every` while every request is at K = 0: nothing informs the choice while no
+  request drafts): a solve costs a few numpy calls per draft depth, on a small target a
+  twentieth of its step, and the estimates it reads move little from one step to the
+  next. The step-time model is refitted only when a solve needs it.
+- Prompt lookup fills a slot only where the context has a match: the chance that each
+  allowed slot is filled is tracked like acceptance (per request, shrunk towards the
+  engine's), and a slot adds that many expected tokens and rows: deep K costs little
+  where matches are short or rare.
 """
 
 from __future__ import annotations
@@ -66,9 +73,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specmoe.spec_decode.choice import _step_seconds, choose_ks, predicted_rate
+from specmoe.spec_decode.choice import choose_ks, predicted_rate
 from specmoe.spec_decode.routing_overlap import miss_log, unique_fraction
 from specmoe.spec_decode.time_models import DraftTimeModel, StepTimeModel
+
+
+class _Held:
+    """A solve's Ks per request, kept while its requests run (some may have left; none
+    joined, no probe between) until `every` steps have passed."""
+
+    __slots__ = ("ks", "every", "steps")
+
+    def __init__(self, batch: list[str], ks: list[int], every: int) -> None:
+        self.ks, self.every, self.steps = dict(zip(batch, ks)), every, 1
+
+    def holds(self, batch: list[str]) -> bool:
+        return self.steps < self.every and all(r in self.ks for r in batch)
 
 
 @dataclass(frozen=True)
@@ -84,6 +104,7 @@ class AdaptiveSettings:
     probe_every: int = 16
     probe_every_max: int = 256
     recheck_every: int = 32
+    resolve_every: int = 4
     window: int = 256
     min_fit_steps: int = 8
     draft_rows_model: bool = False  # price drafting by its forwards' rows (DraftTimeModel)
@@ -99,25 +120,42 @@ class AdaptiveSettings:
 
 
 class AcceptanceTracker:
-    """Draft acceptance per position, engine-wide and per request."""
+    """Draft acceptance per position, engine-wide and per request, and how often the
+    proposer fills each allowed draft slot (prompt lookup proposes only what follows a
+    match; a draft model fills every slot)."""
 
     def __init__(self, max_k: int, prior_strength: float, optimism: float = 0.0) -> None:
         self.max_k, self.prior_strength, self.optimism = max_k, prior_strength, optimism
         self.engine = np.zeros((2, max_k))  # [reached, accepted] per position
+        self.engine_fill = np.zeros((2, max_k))  # [allowed, filled] per slot
         self._requests: dict[str, np.ndarray] = {}
+        self._fills: dict[str, np.ndarray] = {}
 
     def observe(self, request_id: str, drafted: int, accepted: int) -> None:
         """A verification of `drafted` drafts of which the first `accepted` were accepted:
         positions 0..accepted were reached (the first rejection included)."""
         drafted = min(drafted, self.max_k)
-        if drafted <= 0:
-            return
+        if drafted > 0:
+            self.engine += self._count(self._requests, request_id,
+                                       min(accepted + 1, drafted), min(accepted, drafted))
+
+    def observe_proposed(self, request_id: str, allowed: int, proposed: int) -> None:
+        """A proposal of `proposed` tokens where `allowed` were asked for."""
+        allowed = min(allowed, self.max_k)
+        if allowed > 0:
+            self.engine_fill += self._count(self._fills, request_id, allowed,
+                                            min(proposed, allowed))
+
+    def _count(self, table: dict[str, np.ndarray], request_id: str, trials: int,
+               successes: int) -> np.ndarray:
+        """Add one outcome to the request's [trials, successes] per position (the first
+        `trials` positions tried, the first `successes` succeeded); returns the counts."""
         counts = np.zeros((2, self.max_k))
-        counts[0, :min(accepted + 1, drafted)] = 1
-        counts[1, :min(accepted, drafted)] = 1
-        self.engine += counts
-        self._requests.setdefault(request_id, np.zeros((2, self.max_k)))
-        self._requests[request_id] += counts
+        counts[0, :trials] = 1
+        counts[1, :successes] = 1
+        table.setdefault(request_id, np.zeros((2, self.max_k)))
+        table[request_id] += counts
+        return counts
 
     def rates(self, request_id: str) -> np.ndarray:
         """[max_k] estimated acceptance rate of a reached draft at each position."""
@@ -126,18 +164,32 @@ class AcceptanceTracker:
         if self.optimism:  # the data's standard error, weighted as the data are in the mean
             prior = np.minimum(1.0, prior + self.optimism * np.sqrt(
                 prior * (1 - prior) * reached) / (reached + 2))
-        own = self._requests.get(request_id)
+        return self._shrunk(self._requests.get(request_id), prior)
+
+    def fills(self, request_id: str) -> np.ndarray:
+        """[max_k] estimated chance that each allowed slot is filled (1 until proposals
+        say otherwise; at least 0.01), non-increasing."""
+        allowed, filled = self.engine_fill
+        prior = (filled + 1) / (allowed + 1)
+        f = self._shrunk(self._fills.get(request_id), prior)
+        return np.maximum(np.minimum.accumulate(f), 0.01)
+
+    def _shrunk(self, own: np.ndarray | None, prior: np.ndarray) -> np.ndarray:
+        """A request's [trials, successes] per position shrunk towards `prior` by
+        `prior_strength` pseudo-trials (Beta-binomial)."""
         if own is None:
             return prior
         s = self.prior_strength
         return (own[1] + s * prior) / (own[0] + s)
 
     def gains(self, request_id: str) -> np.ndarray:
-        """[max_k] expected tokens the j-th draft adds: prod_{i<=j} rates."""
-        return np.cumprod(self.rates(request_id))
+        """[max_k] expected tokens the j-th slot adds: its fill chance times prod_{i<=j}
+        rates."""
+        return self.fills(request_id) * np.cumprod(self.rates(request_id))
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+        self._fills.pop(request_id, None)
 
 
 def cheapest(chosen: list[bool], costs: list[int], budget: int) -> list[bool]:
@@ -179,23 +231,26 @@ class AdaptivePolicy:
         self._probed = False  # the previous step probed
         # (overlap, log-miss of windows of 1..max_k + 1 tokens as an array and a list)
         self._miss_cache: tuple[float, np.ndarray, list[float]] | None = None
-        self._off: tuple[tuple[str, ...], int] | None = None  # (batch, steps) all at K = 0
-        self.predicted_step_s: float | None = None
+        self._held: _Held | None = None  # the last solve's choice while its batch runs
 
     def observe_verified(self, request_id: str, drafted: int, accepted: int) -> None:
         self.acceptance.observe(request_id, drafted, accepted)
 
+    def observe_proposed(self, request_id: str, allowed: int, proposed: int) -> None:
+        """The proposer drafted `proposed` of the `allowed` tokens asked for."""
+        self.acceptance.observe_proposed(request_id, allowed, proposed)
+
     def observe_step(self, rows: int, seconds: float, windows: list[int] | None = None
                      ) -> float | None:
         """Record the forward's time (`windows`: the rows of each request in it, for a MoE
-        target's expert share); returns the relative error of its prediction (None: nothing
-        was predicted)."""
-        error = None
-        if self.predicted_step_s:
-            error = abs(self.predicted_step_s - seconds) / seconds
-        self.step_time.observe(rows, seconds, self.unique_fraction(windows or [rows]))
-        self.predicted_step_s = None
-        return error
+        target's expert share); returns the relative error of the time model's prediction
+        of it from the last fit (None before the first fit). The step as run, not as the
+        choice expected it: prompt lookup's drafts and new requests' prompt chunks are
+        only known once scheduled."""
+        frac = self.unique_fraction(windows or [rows])
+        predicted = self.step_time.predict_one(rows, frac)
+        self.step_time.observe(rows, seconds, frac)
+        return None if predicted is None else abs(predicted - seconds) / seconds
 
     def observe_overlap(self, overlap: float) -> None:
         """An adjacent-token routing overlap measured on a sampled step (MoE targets)."""
@@ -229,23 +284,21 @@ class AdaptivePolicy:
     def choose(self, request_ids: list[str], caps: list[int], base_rows: int,
                pending: list[int] | None = None) -> dict[str, int]:
         """K per request (at most its cap) for the next step; `base_rows`: the rows the
-        step computes without drafts (the predicted time adds one per draft); `pending`:
-        per request, the tokens its draft cache lacks (for `draft_rows_model`)."""
+        step computes without drafts (the predicted time adds the expected draft rows);
+        `pending`: per request, the tokens its draft cache lacks (for `draft_rows_model`)."""
         if not request_ids:
             return {}
         if self.step_time.coef is None:  # not calibrated yet: the requests' own K
             return {r: min(c, self.s.max_k) for r, c in zip(request_ids, caps)}
-        batch, off = tuple(request_ids), self._off
-        if (off is not None and off[0] == batch and off[1] < self.s.recheck_every
-                and not self._probed):
-            # held off: the common step while speculation does not pay, kept to plain
-            # Python (a numpy call costs microseconds, a small target's step a millisecond)
-            self._off = (batch, off[1] + 1)
-            self.predicted_step_s = self._predict_off(base_rows, len(batch))
-            return self._keep(request_ids, [0] * len(batch), caps, pending)
+        held = self._held
+        if held is not None and held.holds(request_ids) and not self._probed:
+            # the common step: the last solve's Ks, kept in plain Python (a solve costs
+            # a few numpy calls per draft depth, a twentieth of a small target's step)
+            held.steps += 1
+            ks = [min(held.ks[r], c) for r, c in zip(request_ids, caps)]
+            return self._keep(request_ids, ks, caps, pending)
         caps_a = np.minimum(np.asarray(caps, dtype=np.int64), self.s.max_k)
         ks = self._solve(request_ids, caps_a, base_rows, pending)
-        self._off = (batch, 1) if not ks.any() else None
         self._back_off(bool(ks.any()))
         return self._keep(request_ids, ks.tolist(), caps, pending)
 
@@ -266,18 +319,20 @@ class AdaptivePolicy:
 
     def _solve(self, request_ids: list[str], caps_a: np.ndarray, base_rows: int,
                pending: list[int] | None) -> np.ndarray:
-        """The best Ks for the batch (module docstring), with the hysteresis, and the
-        predicted step time."""
+        """The best Ks for the batch (module docstring), with the hysteresis; holds the
+        choice (`_Held`)."""
         step_s, miss = self._step_fn(base_rows), self._miss()
-        gains = np.stack([self.acceptance.gains(r) for r in request_ids])
+        fills = np.stack([self.acceptance.fills(r) for r in request_ids])
+        gains = fills * np.stack([np.cumprod(self.acceptance.rates(r)) for r in request_ids])
         draft_s, rows = self._drafting(request_ids, pending)
-        ks, rate = choose_ks(gains, caps_a, step_s, draft_s, miss, rows)
+        ks, rate = choose_ks(gains, caps_a, step_s, draft_s, miss, rows, fills)
         prev = np.array([min(self._previous.get(r, k), c) for r, k, c
                          in zip(request_ids, ks, caps_a)], dtype=np.int64)
-        if rate <= predicted_rate(prev, gains, step_s, draft_s, miss, rows) * (
+        if rate <= predicted_rate(prev, gains, step_s, draft_s, miss, rows, fills) * (
                 1 + self.s.hysteresis):
             ks = prev
-        self.predicted_step_s = _step_seconds(ks, step_s, miss)
+        every = self.s.resolve_every if ks.any() else self.s.recheck_every
+        self._held = _Held(request_ids, ks.tolist(), every)
         return ks
 
     def _drafting(self, request_ids: list[str], pending: list[int] | None):
@@ -293,11 +348,6 @@ class AdaptivePolicy:
         lags = np.array([p if self._previous.get(r, 0) > 0 else 1 + max(p - 1, 0) / h
                          for r, p in zip(request_ids, pending)], dtype=float)
         return float(model.forward_s(1.0)), (lags, model.forward_s)
-
-    def _predict_off(self, rows: int, batch_size: int) -> float:
-        """The forward's seconds with no drafts, from the last fit (cheap: every step)."""
-        frac = self.unique_fraction([1] * batch_size) if self.s.is_moe else 0.0
-        return self.step_time.predict_one(rows, frac)
 
     def _step_fn(self, base_rows: int, refit: bool = True):
         """(drafts, log expert misses) -> predicted forward seconds, for a batch whose
@@ -337,7 +387,6 @@ class AdaptivePolicy:
             if not any(idle):  # every catch-up over budget: no probe, and no back-off
                 return ks
         self._probed = True
-        self.predicted_step_s = None  # the prediction was for the Ks without the probes
         return [min(c, self.s.max_k) if i else k for k, c, i in zip(ks, caps, idle)]
 
     def forget(self, request_id: str) -> None:

@@ -21,12 +21,14 @@ def _drafting_seconds(order: np.ndarray, depth: int, lags: np.ndarray, forward_s
 
 
 def choose_ks(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float,
-              miss_step: np.ndarray | None = None, draft_rows=None
-              ) -> tuple[np.ndarray, float]:
+              miss_step: np.ndarray | None = None, draft_rows=None,
+              fills: np.ndarray | None = None) -> tuple[np.ndarray, float]:
     """The K per request that maximises expected tokens per second (module docstring).
 
     Args:
-        gains: [B, max_k] expected tokens of each request's j-th draft, non-increasing in j.
+        gains: [B, max_k] expected tokens of each request's j-th draft slot, non-increasing
+            in j (with `fills`: the chance the slot is filled times the chance its draft is
+            accepted with all before it).
         caps: [B] int, each request's largest K.
         step_s: the target step's seconds from its draft count and (MoE) the log of the
             share of experts its windows miss (two arrays of one shape -> an array of
@@ -39,11 +41,18 @@ def choose_ks(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float,
             first draft forward and the draft's seconds per forward from its rows
             (`DraftTimeModel.forward_s`); the drafting then costs its forwards, not
             draft_s x depth.
+        fills: None (every allowed draft is proposed), or [B, max_k] in (0, 1], the chance
+            that the proposer fills each request's j-th slot when allowed it, non-increasing
+            in j (prompt lookup proposes only what follows a match): a slot then adds that
+            many rows (and experts) in expectation, and slots are taken in the order of
+            gains / fills, their acceptance.
     Returns:
         (ks [B] int64, the predicted tokens per second).
     """
     b, max_k = gains.shape
     miss = np.zeros(max_k + 1) if miss_step is None else miss_step
+    f = np.ones_like(gains) if fills is None else fills
+    value = gains / f
     base_miss = b * miss[0]
     best_ks = np.zeros(b, dtype=np.int64)
     best_rate = b / float(step_s(np.zeros(1), np.full(1, base_miss))[0])
@@ -51,24 +60,30 @@ def choose_ks(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float,
     if not _may_pay(gains, caps, b / best_rate, draft_s, max_depth, best_rate):
         return best_ks, float(best_rate)
     for depth in range(1, max_depth + 1):
-        g = np.where(np.arange(depth)[None, :] < caps[:, None], gains[:, :depth], -np.inf)
-        order = np.argsort(-g, axis=None, kind="stable")
-        vals = g.reshape(-1)[order]
-        finite = np.isfinite(vals)
-        vals, order = vals[finite], order[finite]
+        v = np.where(np.arange(depth)[None, :] < caps[:, None], value[:, :depth], -np.inf)
+        order = np.argsort(-v, axis=None, kind="stable")
+        order = order[np.isfinite(v.reshape(-1)[order])]
+        rows = f[:, :depth].reshape(-1)[order]
         # a request's j-th draft grows its window from j + 1 to j + 2 tokens
-        grow = np.diff(miss)[order % depth]
-        tokens = b + np.concatenate([[0.0], np.cumsum(vals)])
-        misses = base_miss + np.concatenate([[0.0], np.cumsum(grow)])
+        grow = np.diff(miss)[order % depth] * rows
+        tokens = b + _prefix_sums(gains[:, :depth].reshape(-1)[order])
+        misses = base_miss + _prefix_sums(grow)
         drafting = (draft_s * depth if draft_rows is None
                     else _drafting_seconds(order, depth, *draft_rows))
-        seconds = step_s(np.arange(vals.size + 1), misses) + drafting
+        seconds = step_s(_prefix_sums(rows), misses) + drafting
         n = int(np.argmax(tokens / seconds))
         rate = tokens[n] / seconds[n]
         if n and rate > best_rate:
             best_rate = rate
             best_ks = np.bincount(order[:n] // depth, minlength=b)
     return best_ks, float(best_rate)
+
+
+def _prefix_sums(x: np.ndarray) -> np.ndarray:
+    """[x.size + 1]: 0, then the running sums of x."""
+    out = np.zeros(x.size + 1)
+    np.cumsum(x, out=out[1:])
+    return out
 
 
 def _may_pay(gains: np.ndarray, caps: np.ndarray, plain_s: float, draft_s: float,
@@ -85,7 +100,8 @@ def _may_pay(gains: np.ndarray, caps: np.ndarray, plain_s: float, draft_s: float
 
 
 def predicted_rate(ks: np.ndarray, gains: np.ndarray, step_s, draft_s: float,
-                   miss_step: np.ndarray | None = None, draft_rows=None) -> float:
+                   miss_step: np.ndarray | None = None, draft_rows=None,
+                   fills: np.ndarray | None = None) -> float:
     """Expected tokens per second of the batch at `ks` (`choose_ks`'s arguments)."""
     tokens = len(ks) + sum(float(g[:k].sum()) for g, k in zip(gains, ks))
     if draft_rows is None:
@@ -93,9 +109,24 @@ def predicted_rate(ks: np.ndarray, gains: np.ndarray, step_s, draft_s: float,
     else:
         lags, forward_s = draft_rows
         drafting = float(forward_s(call_rows(ks.tolist(), lags.tolist())).sum())
-    return tokens / (_step_seconds(ks, step_s, miss_step) + drafting)
+    return tokens / (_step_seconds(ks, step_s, *_expected_windows(
+        len(ks), gains.shape[1], miss_step, fills)) + drafting)
 
 
-def _step_seconds(ks: np.ndarray, step_s, miss_step: np.ndarray | None) -> float:
-    misses = 0.0 if miss_step is None else float(miss_step[ks].sum())
-    return float(step_s(np.array([int(ks.sum())]), np.array([misses]))[0])
+def _expected_windows(b: int, max_k: int, miss_step: np.ndarray | None,
+                     fills: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """([B, max_k + 1] expected draft rows, [B, max_k + 1] expected log-miss of experts) of
+    each request's window at K = 0..max_k (`choose_ks`'s `miss_step` and `fills`)."""
+    f = np.ones((b, max_k)) if fills is None else fills
+    rows = np.concatenate([np.zeros((b, 1)), np.cumsum(f, axis=1)], axis=1)
+    if miss_step is None:
+        return rows, np.zeros_like(rows)
+    grow = np.concatenate([np.zeros((b, 1)), np.cumsum(f * np.diff(miss_step), axis=1)],
+                          axis=1)
+    return rows, miss_step[0] + grow
+
+
+def _step_seconds(ks: np.ndarray, step_s, rows: np.ndarray, misses: np.ndarray) -> float:
+    """The predicted forward seconds at `ks`, from `_expected_windows`."""
+    idx = np.arange(len(ks))
+    return float(step_s(np.array([rows[idx, ks].sum()]), np.array([misses[idx, ks].sum()]))[0])

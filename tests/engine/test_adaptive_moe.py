@@ -67,6 +67,7 @@ def test_rows_priced_drafting_fits_the_draft_forwards_and_stays_lossless():
     model.min_calls = 4  # the poor tiny draft is soon held off: fit on the calls it made
     model.refresh()
     assert model.coef is not None
-    # the first call of each request ran its whole prompt through the draft
-    assert max(f[1] for f, _, _ in model._calls) >= 5
+    # the first call of each request ran its whole prompt through the draft (the calls'
+    # summed features: 1, the one-to-two-rows step, rows, ...)
+    assert max(f[2] for f, _, _ in model._calls) >= 5
     assert model.forward_s(1.0) > 0
