@@ -5,7 +5,12 @@ For each concurrency C, C requests are submitted at once (`LLM.generate` with a 
 prompts; greedy, EOS ignored, `max_tokens` each) and the wall time is measured. So that every
 C sees the same prompt mix (a C=1 baseline on one short prompt would flatter nothing and
 measure little), a run at C < num_requests processes the first num_requests prompts in
-successive waves of C; a run at C >= num_requests is one wave of C distinct prompts. The
+successive waves of C (`arrival="waves"`), or keeping C requests in flight, the next
+submitted as soon as one finishes (`arrival="closed"`: a closed loop, the `--max-concurrency`
+of vLLM's and SGLang's serving benchmarks); a run at C >= num_requests is one wave of C
+distinct prompts. Waves end on their slowest request: where speculation lets some requests
+of a wave finish early, the rest of the wave runs a smaller batch, which a server with
+requests waiting would not. The
 engine's counters (`EngineStats`) are reset before each run and the target's prefix cache is
 emptied, so every run starts cold. Modes are interleaved: each repetition sweeps every C, and
 at each C the modes alternate wave by wave (`interleave="wave"`: wave 1 plain, wave 1
@@ -32,6 +37,7 @@ from specmoe.utils.data import DATASETS, load_prompts
 
 MODES = ("plain", "spec")
 INTERLEAVE = ("wave", "run")  # how the modes alternate within a repetition
+ARRIVALS = ("waves", "closed")  # how a run at C < num_requests submits its requests
 SPEC_BENCH_CATEGORIES = ["summarization", "rag", "translation", "qa", "math_reasoning"]
 # One step's counters as recorded in each run's "steps" (one list per step).
 
@@ -63,6 +69,10 @@ class ThroughputBenchConfig:
         reps: repetitions of the whole sweep.
         interleave: "wave" (the modes alternate wave by wave within each run: the fairest
             under a drifting machine) or "run" (whole runs, one mode after another).
+        arrival: "closed" (a run at C < num_requests keeps C requests in flight; its whole
+            run is then the one "wave" the modes alternate by, their order reversed every
+            other repetition) or "waves" (it submits waves of C, the default before
+            2026-12-05).
         datasets: prompt sets, interleaved; each is taken round-robin over its categories.
         num_requests: requests of a run at C < num_requests (waves of C); a run at a larger
             C has C requests. max(num_requests, max(concurrency)) distinct prompts are used
@@ -103,6 +113,7 @@ class ThroughputBenchConfig:
     expert_placement: str = "contiguous"
     expert_parallel_timeout_s: float = 60.0
     interleave: str = "wave"
+    arrival: str = "closed"
 
     def __post_init__(self) -> None:
         if not self.concurrency or any(not isinstance(c, int) or c < 1
@@ -115,6 +126,8 @@ class ThroughputBenchConfig:
                 raise ValueError(f"invalid {name}={getattr(self, name)}: must be >= 1")
         if self.interleave not in INTERLEAVE:
             raise ValueError(f"invalid interleave={self.interleave!r}: one of {INTERLEAVE}")
+        if self.arrival not in ARRIVALS:
+            raise ValueError(f"invalid arrival={self.arrival!r}: one of {ARRIVALS}")
         bad = [d for d in self.datasets if d not in DATASETS]
         if bad or not self.datasets:
             raise ValueError(f"invalid datasets={self.datasets}: choose from {DATASETS}")
@@ -228,10 +241,14 @@ def chat_ids(llm, text: str) -> list[int]:
     return llm.tokenizer.encode(text, add_special_tokens=False)
 
 
-def waves_for(num_prompts: int, concurrency: int, num_requests: int) -> list[list[int]]:
+def waves_for(num_prompts: int, concurrency: int, num_requests: int,
+              arrival: str = "waves") -> list[list[int]]:
     """Prompt indices of a run: max(num_requests, concurrency) requests (prompts cycled
-    over num_prompts) in waves of `concurrency` submitted at once (the last may be short)."""
+    over num_prompts) in waves of `concurrency` submitted at once (the last may be short),
+    or with `arrival="closed"` all of them as one wave (run `concurrency` at a time)."""
     indices = [i % num_prompts for i in range(max(num_requests, concurrency))]
+    if arrival == "closed":
+        return [indices]
     return [indices[i:i + concurrency] for i in range(0, len(indices), concurrency)]
 
 
@@ -306,13 +323,15 @@ class RunRecorder:
         self.ep_stats: dict | None = None
 
     def wave(self, prompts: list[dict], indices: list[int], max_tokens: int) -> None:
-        """Run one wave (the prompts at `indices` submitted at once) and add it."""
+        """Run one wave (the prompts at `indices`, at most `concurrency` in flight: more
+        are submitted as others finish) and add it."""
         core = self.llm.engine
         probe = throughput_ep.CommunicationProbe.start(self.llm)
         core.step = _timed_step(core, self.steps)  # instance attribute shadows the method
         try:
             t0 = time.perf_counter()
-            self.requests += _run_wave(self.llm, prompts, indices, max_tokens)
+            self.requests += _run_wave(self.llm, prompts, indices, max_tokens,
+                                       self.concurrency)
             self.wall += time.perf_counter() - t0
         finally:
             del core.step
@@ -336,7 +355,7 @@ class RunRecorder:
 
 
 def run_once(llm, prompts: list[dict], concurrency: int, max_tokens: int,
-             num_requests: int = 1) -> dict:
+             num_requests: int = 1, arrival: str = "waves") -> dict:
     """One run at `concurrency` (see `waves_for`): its waves one after another, timed from
     each wave's submission to its last finish.
 
@@ -346,22 +365,25 @@ def run_once(llm, prompts: list[dict], concurrency: int, max_tokens: int,
     its prefix-cache hit rate.
     """
     rec = RunRecorder(llm, concurrency)
-    for wave in waves_for(len(prompts), concurrency, num_requests):
+    for wave in waves_for(len(prompts), concurrency, num_requests, arrival):
         rec.wave(prompts, wave, max_tokens)
     return rec.finish()
 
 
 def run_interleaved(engines: dict, modes: list[str], prompts: list[dict], concurrency: int,
-                    max_tokens: int, num_requests: int, on_wave=None) -> dict[str, dict]:
+                    max_tokens: int, num_requests: int, on_wave=None,
+                    arrival: str = "waves", reverse: bool = False) -> dict[str, dict]:
     """One run per mode at `concurrency`, their waves alternating: wave 1 in every mode,
     then wave 2, ..., the modes' order reversed on every other wave (so no mode always
-    follows the same one). The machine's drift within the run (memory bandwidth moving by
-    tens of percent within a minute) then hits every mode alike. A mode that raises is
-    dropped from the remaining waves and returned as {"error": ...}."""
+    follows the same one; `reverse`: starting reversed). The machine's drift within the run
+    (memory bandwidth moving by tens of percent within a minute) then hits every mode
+    alike. A mode that raises is dropped from the remaining waves and returned as
+    {"error": ...}."""
     recs = {m: RunRecorder(engines[m], concurrency) for m in modes}
     errors: dict[str, dict] = {}
-    for i, wave in enumerate(waves_for(len(prompts), concurrency, num_requests)):
-        for mode in (modes if i % 2 == 0 else modes[::-1]):
+    waves = waves_for(len(prompts), concurrency, num_requests, arrival)
+    for i, wave in enumerate(waves):
+        for mode in (modes if (i % 2 == 0) != reverse else modes[::-1]):
             if mode in errors:
                 continue
             try:
@@ -374,15 +396,39 @@ def run_interleaved(engines: dict, modes: list[str], prompts: list[dict], concur
     return {m: errors.get(m) or recs[m].finish() for m in modes}
 
 
-def _run_wave(llm, prompts: list[dict], indices: list[int], max_tokens: int) -> list[dict]:
+def _run_wave(llm, prompts: list[dict], indices: list[int], max_tokens: int,
+              concurrency: int) -> list[dict]:
+    """The requests of `indices`, `concurrency` in flight, each submitted as soon as a
+    slot frees (all at once where they fit); a row per request, its latency from its own
+    submission.
+
+    Raises:
+        ValueError: a prompt the engine refuses (as `LLM.generate`).
+    """
     from specmoe.sampling_params import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    finished_at: dict[str, float] = {}
-    t0 = time.perf_counter()
-    outs = llm.generate([prompts[i]["token_ids"] for i in indices], params,
-                        on_finish=lambda o: finished_at.setdefault(o.request_id,
-                                                                   time.perf_counter()))
-    return [_request_row(o, i, finished_at[o.request_id] - t0) for o, i in zip(outs, indices)]
+    queue = list(indices)[::-1]
+    inflight: dict[str, tuple] = {}  # request id -> (prompt index, submitted at, request)
+    rows = []
+
+    def submit() -> None:
+        i = queue.pop()
+        req = llm.make_request(prompts[i]["token_ids"], params)
+        llm.add_request(req)
+        inflight[req.request_id] = (i, time.perf_counter(), req)
+    try:
+        while queue and len(inflight) < concurrency:
+            submit()
+        while inflight:
+            for done in llm.engine.step():
+                i, t0, req = inflight.pop(done.request_id)
+                rows.append(_request_row(req, i, time.perf_counter() - t0))
+                if queue:
+                    submit()
+    finally:  # an error or interrupt must not leave requests holding KV cache blocks
+        for _, _, req in inflight.values():
+            llm.engine.abort_request(req.request_id)
+    return rows
 
 
 def _timed_step(core, steps: list[list]):
@@ -402,12 +448,12 @@ def _timed_step(core, steps: list[list]):
     return timed
 
 
-def _request_row(out, prompt_index: int, latency: float) -> dict:
-    m = out.metrics
-    return {"prompt_index": prompt_index, "num_prompt_tokens": len(out.prompt_token_ids),
-            "num_tokens": len(out.token_ids), "finish_reason": out.finish_reason,
+def _request_row(req, prompt_index: int, latency: float) -> dict:
+    m, num_tokens = req.metrics, len(req.output_token_ids)
+    return {"prompt_index": prompt_index, "num_prompt_tokens": len(req.prompt_token_ids),
+            "num_tokens": num_tokens, "finish_reason": req.finish_reason,
             "latency_s": latency, "first_token_s": m.first_token_time_s,
-            "decode_tokens_per_s": m.decode_tokens_per_s(len(out.token_ids))}
+            "decode_tokens_per_s": m.decode_tokens_per_s(num_tokens)}
 
 
 def run_sweep(cfg: ThroughputBenchConfig, engines: dict, prompts: list[dict]) -> list[dict]:
@@ -430,7 +476,8 @@ def run_sweep(cfg: ThroughputBenchConfig, engines: dict, prompts: list[dict]) ->
                 for modes in groups:
                     progress.update(task, description=f"rep {rep + 1} C={c} {', '.join(modes)}")
                     done = run_interleaved(engines, modes, prompts, c, cfg.max_tokens,
-                                           cfg.num_requests, advance)
+                                           cfg.num_requests, advance, cfg.arrival,
+                                           reverse=rep % 2 == 1)
                     runs += [{"mode": m, "rep": rep} | done[m] for m in modes]
     return runs
 

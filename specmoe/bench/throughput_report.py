@@ -42,7 +42,7 @@ def markdown(results: dict) -> str:
              "request (EOS ignored), "
              f"prompts from {', '.join(cfg['datasets'])} (chat template; lengths "
              f"{_lengths(results['prompts'])} tokens); a run at C < {cfg['num_requests']} "
-             f"processes the same {cfg['num_requests']} requests in waves of C, a run at a "
+             f"processes the same {cfg['num_requests']} requests {_arrival(cfg)}, a run at a "
              f"larger C one wave of C; {cfg['reps']} repetitions of the sweep "
              f"{_interleave(cfg)}"
              f"; max_num_batched_tokens "
@@ -361,6 +361,12 @@ def _log_y(ax) -> None:
     ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def _arrival(cfg: dict) -> str:
+    if cfg.get("arrival", "waves") == "closed":
+        return "C at a time (each submitted as one finishes)"
+    return "in waves of C"
 
 
 def _interleave(cfg: dict) -> str:

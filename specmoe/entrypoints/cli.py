@@ -177,6 +177,10 @@ def add_bench_throughput_parser(bench) -> None:
     tp.add_argument("--interleave", choices=["wave", "run"], default=d.interleave,
                     help="how the modes alternate at each C: wave by wave (default; the "
                          "machine's drift hits every mode alike) or whole runs")
+    tp.add_argument("--arrival", choices=["waves", "closed"], default=d.arrival,
+                    help="how a run at C < --num-requests submits its requests: keeping "
+                         "C in flight, the next as one finishes (default: a closed loop, as "
+                         "vLLM's --max-concurrency), or in waves of C")
     tp.add_argument("--expert-parallel-size", type=int, default=1,
                     help="shard a MoE target's experts over this many processes (default: 1)")
     add_expert_parallel_mode_args(tp)
@@ -330,7 +334,8 @@ def cmd_bench_throughput(args) -> int:
         expert_parallel_size=args.expert_parallel_size,
         expert_parallel_dispatch=args.expert_parallel_dispatch,
         expert_placement=args.expert_placement,
-        expert_parallel_timeout_s=args.expert_parallel_timeout, interleave=args.interleave)
+        expert_parallel_timeout_s=args.expert_parallel_timeout, interleave=args.interleave,
+        arrival=args.arrival)
     out = Path(args.out or f"out/throughput-{time.strftime('%Y%m%d-%H%M')}")
     results = run_throughput_bench(cfg)
     for path in write_report(results, out):

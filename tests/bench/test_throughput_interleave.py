@@ -1,7 +1,7 @@
 """`bench throughput` alternates the modes wave by wave within a run (`run_interleaved`), so
 the machine's drift hits every mode alike: the order of the waves, the runs equal to whole
 runs of each mode, and a mode that fails dropped from the later waves while the others go
-on."""
+on; a closed-loop run keeps C requests in flight."""
 
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ def _logged_waves(monkeypatch, engines):
     names = {id(llm): mode for mode, llm in engines.items()}
     log, real = [], throughput._run_wave
 
-    def run_wave(llm, prompts, indices, max_tokens):
+    def run_wave(llm, prompts, indices, max_tokens, concurrency):
         log.append((names[id(llm)], list(indices)))
-        return real(llm, prompts, indices, max_tokens)
+        return real(llm, prompts, indices, max_tokens, concurrency)
     monkeypatch.setattr(throughput, "_run_wave", run_wave)
     return log
 
@@ -59,11 +59,11 @@ def test_a_failing_mode_is_dropped_and_the_others_go_on(engines, prompts, monkey
     log = _logged_waves(monkeypatch, engines)
     real, tried = throughput._run_wave, []
 
-    def fail_spec(llm, prompts, indices, max_tokens):
+    def fail_spec(llm, prompts, indices, max_tokens, concurrency):
         if llm is engines["spec"]:
             tried.append(list(indices))
             raise RuntimeError("boom")
-        return real(llm, prompts, indices, max_tokens)
+        return real(llm, prompts, indices, max_tokens, concurrency)
     monkeypatch.setattr(throughput, "_run_wave", fail_spec)
     runs = throughput.run_interleaved(engines, ["plain", "spec"], prompts, 2, 4, 3)
     assert runs["spec"] == {"concurrency": 2, "error": "RuntimeError: boom"}
@@ -79,3 +79,35 @@ def test_interleave_option():
     args = build_parser().parse_args(["bench", "throughput", "--interleave", "run"])
     assert args.interleave == "run"
     assert build_parser().parse_args(["bench", "throughput"]).interleave == "wave"
+
+
+def test_a_closed_loop_keeps_c_requests_in_flight(engines, prompts, monkeypatch):
+    """arrival="closed": one wave of every request per mode, at most C running, the next
+    submitted as soon as one finishes (different lengths: they finish apart), the modes'
+    order reversed on odd repetitions, the KV cache whole afterwards."""
+    log = _logged_waves(monkeypatch, engines)
+    llm = engines["plain"]
+    sched = llm.engine.scheduler
+    running, real_schedule = [], sched.schedule
+
+    def schedule():
+        out = real_schedule()
+        running.append(len(sched.running))
+        return out
+    monkeypatch.setattr(sched, "schedule", schedule)
+    free = llm.engine.scheduler.kv_cache.block_pool.num_free_blocks
+    runs = throughput.run_interleaved(engines, ["plain", "spec"], prompts * 2, 2, 5, 5,
+                                      arrival="closed", reverse=True)
+    assert log == [("spec", [0, 1, 2, 3, 4]), ("plain", [0, 1, 2, 3, 4])]
+    assert max(running) == 2 and running.count(2) > len(running) // 2
+    run = runs["plain"]
+    assert sorted(q["prompt_index"] for q in run["requests"]) == [0, 1, 2, 3, 4]
+    assert run["num_output_tokens"] == 25
+    assert all(0 < q["latency_s"] < run["wall_seconds"] for q in run["requests"])
+    assert llm.engine.scheduler.kv_cache.block_pool.num_free_blocks == free
+    assert throughput.waves_for(3, 2, 5, "closed") == [[0, 1, 2, 0, 1]]
+    with pytest.raises(ValueError, match="arrival='poisson'"):
+        throughput.ThroughputBenchConfig(arrival="poisson")
+    from specmoe.entrypoints.cli import build_parser
+    assert build_parser().parse_args(["bench", "throughput", "--arrival", "closed"]
+                                     ).arrival == "closed"
