@@ -6,10 +6,17 @@ sizes, with which K? A few minutes of measurement on the user's own setup:
    (`model_card.replay`: equal to the engine's accepted counts), giving tokens per
    verification step;
 2. cost: Tt(B, T) for T = 1..K_max + 1 on the prompts' own text (`VerifyCostBench` with
-   token windows), the draft model's Td(B, 1), and the engine's time per plain step outside
-   the forward, from a few plain decode steps at each B;
-3. prediction: S(B, K) by `real_study.predict_speedup`, the best K per B (0 where nothing
-   beats plain decoding), and the `batch_size_table` that applies it.
+   token windows), the draft model's Td(B, 1), the engine's time per plain step outside
+   the forward, from a few plain decode steps at each B, and the prefill of B prompts;
+3. prediction: the decode speedup S(B, K) by `real_study.predict_speedup`, the
+   verification priced at the mean window the replay verified (K + 1 for a draft model;
+   n-gram lookup drafts only where it finds a match, so its windows are shorter: pricing
+   every window at K + 1 put the error at large B x K to 50-70%), then the end-to-end
+   speedup of a run of B requests of these prompts and max_tokens each, whose prefill
+   speculation does not shorten (`run_speedup`; on SmolLM2 the prefill was 26% of a
+   one-request run, and leaving it out was the larger part of a 20% median error); the
+   best K per B (0 where nothing beats plain decoding), and the `batch_size_table` that
+   applies it.
 
 `compare_with_bench` scores the prediction against `specmoe bench throughput`'s measured
 static-K speedups at C = B (the same prompts: `datasets` selects them as the bench does).
@@ -121,23 +128,71 @@ def measure_acceptance(draft_runner, prompts, outputs, max_k: int, lookup) -> li
     return acceptance_curve(acceptors, [len(o) for o in outputs], max_k)
 
 
-def measure_overheads(llm, prompts, cfg: AdviseConfig, tt_one: dict[int, float]
-                      ) -> dict[int, float]:
-    """B -> the engine's seconds per plain decode step beyond Tt(B, 1) (>= 0)."""
+def measure_engine_steps(llm, prompts, cfg: AdviseConfig, tt_one: dict[int, float]
+                         ) -> dict[int, dict[str, float]]:
+    """B -> {"overhead_s": the engine's seconds per plain decode step beyond Tt(B, 1) (>= 0),
+    "prefill_s": seconds until B prompts of the mean length all have their first token
+    (measured on B of the prompts, scaled by tokens)}; the least of `reps` runs each."""
     from specmoe.sampling_params import SamplingParams
     params = SamplingParams(max_tokens=cfg.overhead_tokens, temperature=0.0, ignore_eos=True)
+    mean_len = statistics.fmean(len(p) for p in prompts)
     out = {}
     for b in cfg.batch_sizes:
         batch = [prompts[i % len(prompts)] for i in range(b)]
-        per_step = [(run.seconds / max(run.steps, 1)) for run in
-                    (timed_decode(llm, batch, params) for _ in range(cfg.reps))]
-        out[b] = max(min(per_step) - tt_one[b], 0.0)
+        runs = [timed_decode(llm, batch, params) for _ in range(cfg.reps)]
+        out[b] = {"overhead_s": max(min(r.seconds / max(r.steps, 1) for r in runs)
+                                    - tt_one[b], 0.0),
+                  "prefill_s": min(r.prefill_seconds for r in runs)
+                  * b * mean_len / sum(len(p) for p in batch)}
     return out
+
+
+def verify_seconds(tt: dict[tuple[int, int], float], b: int, window: float) -> float:
+    """Tt(B, window) for a mean window between measured T, linearly interpolated.
+
+    Raises:
+        ValueError: the window is outside the measured T.
+    """
+    ts = sorted(t for bb, t in tt if bb == b)
+    if not ts or not ts[0] <= window <= ts[-1]:
+        raise ValueError(f"window {window} outside the measured T {ts} at B={b}")
+    lo = max(t for t in ts if t <= window)
+    if lo == window or lo == ts[-1]:
+        return tt[b, lo]
+    hi = min(t for t in ts if t > window)
+    f = (window - lo) / (hi - lo)
+    return tt[b, lo] * (1 - f) + tt[b, hi] * f
+
+
+def run_speedup(decode_speedup: float, prefill_s: float, plain_decode_s: float) -> float:
+    """The end-to-end speedup of a run whose prefill takes `prefill_s` and whose plain
+    decode `plain_decode_s`, when speculation divides the decode time by
+    `decode_speedup`."""
+    return (prefill_s + plain_decode_s) / (prefill_s + plain_decode_s / decode_speedup)
+
+
+def predict_row(b: int, a: dict, tt: dict, td: float, steps: dict, cfg: AdviseConfig
+                ) -> dict:
+    """One (B, K) of the advice (module docstring, item 3); `a`: the replay's acceptance
+    at this K, `steps`: `measure_engine_steps` at this B."""
+    ngram = cfg.draft == "ngram"
+    window = 1 + a["drafted"] / max(a["steps"], 1) if ngram else a["k"] + 1
+    t_verify = verify_seconds(tt, b, window)
+    o = steps["overhead_s"]
+    decode = predict_speedup(a["tokens_per_step"], a["k"], tt[b, 1], t_verify, td, o,
+                             0 if ngram else None)
+    plain_decode = (cfg.max_tokens - 1) * (tt[b, 1] + o)
+    return {"B": b, "K": a["k"], "tokens_per_step": a["tokens_per_step"],
+            "predicted_speedup": run_speedup(decode, steps["prefill_s"], plain_decode),
+            "decode_speedup": decode, "verify_window": window, "Tt_1_s": tt[b, 1],
+            "Tt_window_s": t_verify, "Td_1_s": td, "engine_overhead_s": o,
+            "prefill_s": steps["prefill_s"]}
 
 
 def advise(cfg: AdviseConfig, progress=None) -> dict:
     """Everything in the module docstring, JSON-ready: {config, context_len, prompt_tokens
-    (each prompt's length), acceptance, tt (the measured Tt(B, T)), rows, best,
+    (each prompt's length), acceptance, tt (the measured Tt(B, T)), rows (per B and K: the
+    end-to-end `predicted_speedup`, the `decode_speedup` and the times behind them), best,
     batch_size_table}."""
     from specmoe.config import SpeculativeConfig
     from specmoe.engine.llm_engine import LLM
@@ -171,16 +226,11 @@ def advise(cfg: AdviseConfig, progress=None) -> dict:
         llm.target, windows, grid_cfg, grid_cfg.num_tokens)}
     td = ({p["B"]: p["min_s"] for p in measure_forwards(draft_runner, windows, grid_cfg, [1])}
           if draft_runner is not None else {b: 0.0 for b in cfg.batch_sizes})
-    say("engine time per step")
-    overhead = measure_overheads(llm, prompts, cfg, {b: tt[b, 1] for b in cfg.batch_sizes})
+    say("engine time per step and prefill")
+    steps = measure_engine_steps(llm, prompts, cfg, {b: tt[b, 1] for b in cfg.batch_sizes})
     del llm, draft_llm, draft_runner
     gc.collect()
-    rows = [{"B": b, "K": a["k"], "tokens_per_step": a["tokens_per_step"],
-             "predicted_speedup": predict_speedup(
-                 a["tokens_per_step"], a["k"], tt[b, 1], tt[b, a["k"] + 1], td[b],
-                 overhead[b], None if cfg.draft != "ngram" else 0),
-             "Tt_1_s": tt[b, 1], "Tt_K+1_s": tt[b, a["k"] + 1], "Td_1_s": td[b],
-             "engine_overhead_s": overhead[b]}
+    rows = [predict_row(b, a, tt, td[b], steps[b], cfg)
             for b in cfg.batch_sizes for a in acceptance]
     best = best_k(rows)
     return {"config": asdict(cfg), "context_len": ctx,

@@ -134,7 +134,8 @@ def measure_forwards(runner, windows, cfg: RealStudyConfig, num_tokens: list[int
 @dataclass
 class DecodeRun:
     """One end-to-end run's decode phase: seconds, tokens emitted, engine steps, and the
-    speculation counts of its requests."""
+    speculation counts of its requests; `prefill_seconds`: the steps before it (until
+    every request had its first token)."""
 
     seconds: float
     tokens: int
@@ -142,6 +143,7 @@ class DecodeRun:
     drafts: int = 0
     accepted: int = 0
     outputs: list[list[int]] = field(default_factory=list, repr=False)
+    prefill_seconds: float = 0.0
 
 
 def timed_decode(llm, prompts: list[list[int]], params) -> DecodeRun:
@@ -156,9 +158,11 @@ def timed_decode(llm, prompts: list[list[int]], params) -> DecodeRun:
     for req in reqs:
         llm.add_request(req)
     engine = llm.engine
+    start = time.perf_counter()
     while engine.has_unfinished_requests and not all(r.output_token_ids for r in reqs):
         engine.step()
     tokens0, steps0 = sum(len(r.output_token_ids) for r in reqs), engine.stats.num_steps
+    prefill_seconds = time.perf_counter() - start
     start = time.perf_counter()
     while engine.has_unfinished_requests:
         engine.step()
@@ -170,7 +174,7 @@ def timed_decode(llm, prompts: list[list[int]], params) -> DecodeRun:
                      engine.stats.num_steps - steps0,
                      sum(r.spec_stats.num_drafts for r in reqs),
                      sum(r.spec_stats.num_accepted_tokens for r in reqs),
-                     [list(r.output_token_ids) for r in reqs])
+                     [list(r.output_token_ids) for r in reqs], prefill_seconds)
 
 
 def measure_e2e(plain, spec, prompts: list[list[int]], cfg: RealStudyConfig,

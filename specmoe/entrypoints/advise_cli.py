@@ -128,12 +128,16 @@ def print_advice(result: dict) -> None:
     """The predicted speedup per B and K, the acceptance and the batch_size_table."""
     from rich.table import Table
     cfg = result["config"]
-    table = Table(title=f"{cfg['model']} with {cfg['draft']}: predicted speedup over plain")
+    table = Table(title=f"{cfg['model']} with {cfg['draft']}: predicted speedup over plain, "
+                        f"end to end ({cfg['max_tokens']} tokens per request, prefill "
+                        "included; decode steps alone in brackets)")
     for col in ("B", "best K", "speedup", "pays", *(f"K={a['k']}" for a in result["acceptance"])):
         table.add_column(col)
     for b, best in result["best"].items():
-        cells = [f"{r['predicted_speedup']:.2f}" for r in result["rows"] if r["B"] == b]
-        table.add_row(str(b), str(best["K"]), f"{best['predicted_speedup']:.2f}x",
+        rows = {r["K"]: r for r in result["rows"] if r["B"] == b}
+        cells = [f"{r['predicted_speedup']:.2f}" for r in rows.values()]
+        decode = f" ({rows[best['K']]['decode_speedup']:.2f}x)" if best["K"] else ""
+        table.add_row(str(b), str(best["K"]), f"{best['predicted_speedup']:.2f}x{decode}",
                       "yes" if best["K"] else "no", *cells)
     _console().print(table)
     tps = ", ".join(f"K={a['k']} {a['tokens_per_step']:.2f}" for a in result["acceptance"])

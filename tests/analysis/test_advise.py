@@ -8,7 +8,8 @@ import json
 import pytest
 
 from specmoe.analysis.advise import (AdviseConfig, batch_size_table, best_k, compare_with_bench,
-                                     median_error, read_results)
+                                     median_error, predict_row, read_results, run_speedup,
+                                     verify_seconds)
 from specmoe.entrypoints.advise_cli import read_prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -26,6 +27,39 @@ def test_best_k_and_the_table_that_applies_it():
     assert best[8] == {"K": 0, "predicted_speedup": 1.0}
     assert batch_size_table(best) == {"1-3": 2, "4-7": 1, "8-4096": 0}
     assert batch_size_table({3: {"K": 4}}) == {"1-4096": 4}
+
+
+def test_verification_priced_at_the_mean_window():
+    tt = {(1, 1): 0.010, (1, 2): 0.012, (1, 3): 0.016, (2, 1): 0.020}
+    assert verify_seconds(tt, 1, 2) == 0.012
+    assert verify_seconds(tt, 1, 2.5) == pytest.approx(0.014)
+    assert verify_seconds(tt, 1, 3) == 0.016
+    with pytest.raises(ValueError, match="window 3.5 outside the measured T"):
+        verify_seconds(tt, 1, 3.5)
+
+
+def test_prefill_dilutes_the_decode_speedup():
+    assert run_speedup(2.0, 0.0, 1.0) == pytest.approx(2.0)
+    assert run_speedup(2.0, 1.0, 1.0) == pytest.approx(2 / 1.5)
+    assert run_speedup(0.5, 1.0, 1.0) == pytest.approx(2 / 3)  # a slowdown shrinks too
+
+
+def test_a_row_prices_ngram_at_its_drafted_window_and_a_draft_model_at_k_plus_1():
+    tt = {(4, t): 0.010 + 0.002 * (t - 1) for t in range(1, 6)}
+    steps = {"overhead_s": 0.001, "prefill_s": 0.1}
+    a = {"k": 4, "tokens_per_step": 1.5, "steps": 100, "drafted": 150}
+    lookup = predict_row(4, a, tt, 0.0, steps, AdviseConfig(model="m", draft="ngram",
+                                                            max_tokens=51))
+    assert lookup["verify_window"] == 2.5 and lookup["Tt_window_s"] == pytest.approx(0.013)
+    assert lookup["decode_speedup"] == pytest.approx(1.5 * 0.011 / (0.013 + 0.001))
+    plain = 50 * 0.011
+    assert lookup["predicted_speedup"] == pytest.approx(
+        (0.1 + plain) / (0.1 + plain / lookup["decode_speedup"]))
+    draft = predict_row(4, a, tt, 0.002, steps, AdviseConfig(model="m", draft="d",
+                                                             max_tokens=51))
+    assert draft["verify_window"] == 5 and draft["Tt_window_s"] == pytest.approx(0.018)
+    assert draft["decode_speedup"] == pytest.approx(1.5 * 0.011 / (0.018 + 4 * 0.002
+                                                                   + 5 * 0.001))
 
 
 def test_median_error():
@@ -122,7 +156,8 @@ def test_advise_on_the_tiny_pair(tmp_path, capsys):
     assert advice["prompt_tokens"] == want  # the bench's own prompts
     assert [(r["B"], r["K"]) for r in advice["rows"]] == [(1, 1), (1, 2), (2, 1), (2, 2)]
     for r in advice["rows"]:
-        assert r["Tt_K+1_s"] > 0 and r["Td_1_s"] > 0 and r["engine_overhead_s"] >= 0
+        assert r["Tt_window_s"] > 0 and r["Td_1_s"] > 0 and r["engine_overhead_s"] >= 0
+        assert r["verify_window"] == r["K"] + 1 and r["prefill_s"] > 0
         assert 1.0 <= r["tokens_per_step"] <= r["K"] + 1
     assert {(t["B"], t["T"]) for t in advice["tt"]} == {(b, t) for b in (1, 2)
                                                        for t in (1, 2, 3)}
