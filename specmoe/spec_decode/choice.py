@@ -109,24 +109,16 @@ def predicted_rate(ks: np.ndarray, gains: np.ndarray, step_s, draft_s: float,
     else:
         lags, forward_s = draft_rows
         drafting = float(forward_s(call_rows(ks.tolist(), lags.tolist())).sum())
-    return tokens / (_step_seconds(ks, step_s, *_expected_windows(
-        len(ks), gains.shape[1], miss_step, fills)) + drafting)
+    return tokens / (_step_seconds(ks, gains.shape[1], step_s, miss_step, fills) + drafting)
 
 
-def _expected_windows(b: int, max_k: int, miss_step: np.ndarray | None,
-                     fills: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """([B, max_k + 1] expected draft rows, [B, max_k + 1] expected log-miss of experts) of
-    each request's window at K = 0..max_k (`choose_ks`'s `miss_step` and `fills`)."""
-    f = np.ones((b, max_k)) if fills is None else fills
-    rows = np.concatenate([np.zeros((b, 1)), np.cumsum(f, axis=1)], axis=1)
-    if miss_step is None:
-        return rows, np.zeros_like(rows)
-    grow = np.concatenate([np.zeros((b, 1)), np.cumsum(f * np.diff(miss_step), axis=1)],
-                          axis=1)
-    return rows, miss_step[0] + grow
-
-
-def _step_seconds(ks: np.ndarray, step_s, rows: np.ndarray, misses: np.ndarray) -> float:
-    """The predicted forward seconds at `ks`, from `_expected_windows`."""
-    idx = np.arange(len(ks))
-    return float(step_s(np.array([rows[idx, ks].sum()]), np.array([misses[idx, ks].sum()]))[0])
+def _step_seconds(ks: np.ndarray, max_k: int, step_s, miss_step: np.ndarray | None,
+                  fills: np.ndarray | None) -> float:
+    """The predicted forward seconds at `ks`: each request's first k slots add their
+    expected rows (`fills`) and, on a MoE target, grow its window's log-miss in
+    proportion."""
+    f = (np.arange(max_k)[None, :] < ks[:, None]) * (1.0 if fills is None else fills)
+    misses = 0.0
+    if miss_step is not None:
+        misses = float(len(ks) * miss_step[0] + (f * np.diff(miss_step)).sum())
+    return float(step_s(np.array([f.sum()]), np.array([misses]))[0])
