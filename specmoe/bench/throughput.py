@@ -1,17 +1,16 @@
 """`specmoe bench throughput`: offline throughput and latency against concurrency, with and
 without speculation, on real prompts.
 
-For each concurrency C, C requests are submitted at once (`LLM.generate` with a list of C
-prompts; greedy, EOS ignored, `max_tokens` each) and the wall time is measured. So that every
-C sees the same prompt mix (a C=1 baseline on one short prompt would flatter nothing and
-measure little), a run at C < num_requests processes the first num_requests prompts in
-successive waves of C (`arrival="waves"`), or keeping C requests in flight, the next
-submitted as soon as one finishes (`arrival="closed"`: a closed loop, the `--max-concurrency`
-of vLLM's and SGLang's serving benchmarks); a run at C >= num_requests is one wave of C
-distinct prompts. Waves end on their slowest request: where speculation lets some requests
-of a wave finish early, the rest of the wave runs a smaller batch, which a server with
-requests waiting would not. The
-engine's counters (`EngineStats`) are reset before each run and the target's prefix cache is
+For each concurrency C, C requests run at a time through the engine (greedy, EOS ignored,
+`max_tokens` each) and the wall time is measured. So that every C sees the same prompt mix (a
+C=1 baseline on one short prompt would flatter nothing and measure little), a run at C <
+num_requests processes the first num_requests prompts, keeping C in flight, the next
+submitted as soon as one finishes (`arrival="closed"`: a closed loop, the
+`--max-concurrency` of vLLM's and SGLang's serving benchmarks), or in successive waves of C
+submitted at once (`arrival="waves"`); a run at C >= num_requests is one wave of C distinct
+prompts. Waves end on their slowest request: where speculation lets some requests of a wave
+finish early, the rest of the wave runs a smaller batch, which a server with requests
+waiting would not. The engine's counters (`EngineStats`) are reset before each run and the target's prefix cache is
 emptied, so every run starts cold. Modes are interleaved: each repetition sweeps every C, and
 at each C the modes alternate wave by wave (`interleave="wave"`: wave 1 plain, wave 1
 speculative, wave 2 ...; "run": whole runs, plain then speculative), so the machine's drift
@@ -74,7 +73,7 @@ class ThroughputBenchConfig:
             other repetition) or "waves" (it submits waves of C, the default before
             2026-12-05).
         datasets: prompt sets, interleaved; each is taken round-robin over its categories.
-        num_requests: requests of a run at C < num_requests (waves of C); a run at a larger
+        num_requests: requests of a run at C < num_requests (see arrival); a run at a larger
             C has C requests. max(num_requests, max(concurrency)) distinct prompts are used
             (cycled only if the data sets run out). The default, target_concurrency, makes
             the target line compare C=1 and C=16 on the same 16 prompts (with 8, C=1 saw the

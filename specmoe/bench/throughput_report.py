@@ -374,5 +374,8 @@ def _interleave(cfg: dict) -> str:
     if cfg["draft"] == "none":
         return "(plain only)"
     if cfg.get("interleave", "run") == "wave":
+        if cfg.get("arrival", "waves") == "closed":
+            return ("(at each C the modes' runs alternate, their order reversed every other "
+                    "repetition)")
         return "(at each C the modes alternate wave by wave)"
     return "(plain then speculative at each C)"

@@ -53,7 +53,9 @@ second (the choice in `spec_decode.choice`, the time models in `spec_decode.time
   (then the count restarts): probing sixteen requests held since their prompts ran their
   whole prompts through the draft, 10% of a 32-token run of the Qwen2.5-Coder pair at 16
   requests, and probing one request held since its 693-token prompt took 1.7 s, 8% of a
-  run at one request.
+  run at one request. Then the requests probed least often go first while their drafts fit
+  `probe_drafts` slots (at least one request): probing all sixteen requests of SmolLM2 at
+  K = 8 added 128 rows to a step, and the one or two probes of a 48-token run cost 6%.
 - Held choices: a solve's Ks stay for the same batch (probes aside) without re-solving
   until a probe's results are in, a request joins or `resolve_every` steps have passed
   (`recheck_every` while every request is at K = 0: nothing informs the choice while no
@@ -110,6 +112,7 @@ class AdaptiveSettings:
     draft_rows_model: bool = False  # price drafting by its forwards' rows (DraftTimeModel)
     catch_up_horizon: int = 16  # steps a resuming request's catch-up is spread over
     probe_catch_up_rows: int = 128  # catch-up tokens one probe may run through the draft
+    probe_drafts: int = 16  # draft slots one probe may add to the target's step
     num_experts: int = 0  # a MoE target's routed experts N and top-k (0: dense)
     top_k: int = 0
     overlap_prior: float = 0.4  # adjacent-token overlap until one is measured
@@ -192,13 +195,14 @@ class AcceptanceTracker:
         self._fills.pop(request_id, None)
 
 
-def cheapest(chosen: list[bool], costs: list[int], budget: int) -> list[bool]:
-    """Of the chosen entries, those of least cost, in ascending order while their costs sum
-    to at most `budget` (none where the cheapest alone exceeds it)."""
+def within_budget(chosen: list[bool], keys: list[int], costs: list[int], budget: int,
+                  at_least_one: bool = False) -> list[bool]:
+    """Of the chosen entries, in ascending order of `keys`, those taken while their costs
+    sum to at most `budget` (`at_least_one`: the first whatever its cost)."""
     keep = [False] * len(chosen)
     spent = 0
-    for i in sorted((i for i, c in enumerate(chosen) if c), key=costs.__getitem__):
-        if spent + costs[i] > budget:
+    for i in sorted((i for i, c in enumerate(chosen) if c), key=keys.__getitem__):
+        if spent + costs[i] > budget and (spent or not at_least_one):
             break
         keep[i], spent = True, spent + costs[i]
     return keep
@@ -229,6 +233,7 @@ class AdaptivePolicy:
         self._since_probe = 0  # steps with a request held at K = 0 since the last probe
         self.probe_interval = settings.probe_every  # grows while probes find nothing
         self._probed = False  # the previous step probed
+        self._probe_counts: dict[str, int] = {}  # probes each running request was in
         # (overlap, log-miss of windows of 1..max_k + 1 tokens as an array and a list)
         self._miss_cache: tuple[float, np.ndarray, list[float]] | None = None
         self._held: _Held | None = None  # the last solve's choice while its batch runs
@@ -314,7 +319,7 @@ class AdaptivePolicy:
     def _keep(self, request_ids: list[str], ks: list[int], caps: list[int],
               pending: list[int] | None = None) -> dict[str, int]:
         """The chosen Ks with this step's probes, remembered for the hysteresis."""
-        self._previous = dict(zip(request_ids, self._probe(ks, caps, pending)))
+        self._previous = dict(zip(request_ids, self._probe(request_ids, ks, caps, pending)))
         return dict(self._previous)
 
     def _solve(self, request_ids: list[str], caps_a: np.ndarray, base_rows: int,
@@ -366,11 +371,12 @@ class AdaptivePolicy:
             self._miss_cache = (self.overlap, miss, miss.tolist())
         return self._miss_cache[1]
 
-    def _probe(self, ks: list[int], caps: list[int], pending: list[int] | None = None
-               ) -> list[int]:
+    def _probe(self, request_ids: list[str], ks: list[int], caps: list[int],
+               pending: list[int] | None = None) -> list[int]:
         """Every `probe_interval` steps with a request held at K = 0, they draft their cap
-        (at most K_max): all of them, or with `pending` catch-ups those of least catch-up
-        within `probe_catch_up_rows` (none where each exceeds it)."""
+        (at most K_max): those of least catch-up within `probe_catch_up_rows` where
+        `pending` gives the catch-ups (none where each exceeds it), then those probed
+        least often while their drafts fit `probe_drafts` (at least one)."""
         idle = [k == 0 and c > 0 for k, c in zip(ks, caps)]
         if not any(idle):
             # only speculation restarts the count, not a step where no request may draft
@@ -383,12 +389,19 @@ class AdaptivePolicy:
             return ks
         self._since_probe = 0
         if pending is not None:
-            idle = cheapest(idle, pending, self.s.probe_catch_up_rows)
+            idle = within_budget(idle, pending, pending, self.s.probe_catch_up_rows)
             if not any(idle):  # every catch-up over budget: no probe, and no back-off
                 return ks
+        drafts = [min(c, self.s.max_k) for c in caps]
+        counts = [self._probe_counts.get(r, 0) for r in request_ids]
+        idle = within_budget(idle, counts, drafts, self.s.probe_drafts, at_least_one=True)
+        for r, i in zip(request_ids, idle):
+            if i:
+                self._probe_counts[r] = self._probe_counts.get(r, 0) + 1
         self._probed = True
-        return [min(c, self.s.max_k) if i else k for k, c, i in zip(ks, caps, idle)]
+        return [d if i else k for k, d, i in zip(ks, drafts, idle)]
 
     def forget(self, request_id: str) -> None:
         self.acceptance.forget(request_id)
         self._previous.pop(request_id, None)
+        self._probe_counts.pop(request_id, None)

@@ -178,7 +178,11 @@ def test_markdown_and_files(runs, tmp_path):
     reloaded = json.loads(paths[0].read_text())
     assert markdown(reloaded) == md  # the report can be rebuilt from the JSON file
     assert "float32, greedy" in md  # no quantised weights named
-    assert "(at each C the modes alternate wave by wave)" in md
+    assert ("C at a time (each submitted as one finishes)" in md
+            and "(at each C the modes' runs alternate, their order reversed" in md)
+    results["config"]["arrival"] = "waves"
+    assert "requests in waves of C" in markdown(results)
+    assert "(at each C the modes alternate wave by wave)" in markdown(results)
     results["config"]["interleave"] = "run"
     assert "(plain then speculative at each C)" in markdown(results)
     results["config"] |= {"quantization": "int8", "draft_quantization": "int4"}

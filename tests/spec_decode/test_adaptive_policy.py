@@ -279,6 +279,24 @@ def test_a_probe_with_known_catch_ups_takes_the_cheapest_within_its_budget():
     assert p.choose(ids, caps, 5) == {"a": 4, "b": 4, "c": 4, "d": 0, "e": 4}
 
 
+def test_a_probe_adds_at_most_probe_drafts_slots_taking_turns():
+    """Sixteen requests held at K = 0 probing K_max = 8 each would add 128 rows to one
+    step (three steps' worth of SmolLM2 at C = 16): a probe takes the least probed
+    requests while their drafts fit `probe_drafts`, at least one."""
+    p = AdaptivePolicy(AdaptiveSettings(max_k=8, probe_every=2, probe_every_max=2,
+                                        probe_drafts=16))
+    _calibrated(p, 0.0, 0.001)
+    ids = ["a", "b", "c", "d", "e"]
+    probed = []
+    for _ in range(6):
+        ks = p.choose(ids, [8] * 5, 5)
+        probed.append("".join(r for r in ids if ks[r]))
+    assert [x for x in probed if x] == ["ab", "cd", "ae"]  # e (never probed), then a
+    p = AdaptivePolicy(AdaptiveSettings(max_k=32, probe_every=1, probe_drafts=16))
+    _calibrated(p, 0.0, 0.001)
+    assert p.choose(["a"], [32], 1) == {"a": 32}  # one request, over the budget alone
+
+
 # ---- MoE targets: the step time follows the experts the windows touch ----
 
 from specmoe.spec_decode.routing_overlap import (miss_log, segment_overlap,  # noqa: E402
