@@ -56,6 +56,11 @@ second (the choice in `spec_decode.choice`, the time models in `spec_decode.time
   run at one request. Then the requests probed least often go first while their drafts fit
   `probe_drafts` slots (at least one request): probing all sixteen requests of SmolLM2 at
   K = 8 added 128 rows to a step, and the one or two probes of a 48-token run cost 6%.
+  And a probe waits until its drafting is at most `probe_budget` (2%) of the time since
+  the last one, timed on that one (its draft's catch-up included), bounding what probes
+  cost as Cascade's utility test bounds a slowdown (arXiv 2506.20675): on a carved
+  Qwen2.5-Coder MoE with the 0.5B draft, probes of 32-token requests at one request cost
+  12% of the run.
 - Held choices: a solve's Ks stay for the same batch (probes aside) without re-solving
   until a probe's results are in, a request joins or `resolve_every` steps have passed
   (`recheck_every` while every request is at K = 0: nothing informs the choice while no
@@ -113,6 +118,7 @@ class AdaptiveSettings:
     catch_up_horizon: int = 16  # steps a resuming request's catch-up is spread over
     probe_catch_up_rows: int = 128  # catch-up tokens one probe may run through the draft
     probe_drafts: int = 16  # draft slots one probe may add to the target's step
+    probe_budget: float = 0.02  # the share of the time probes' drafting may take
     num_experts: int = 0  # a MoE target's routed experts N and top-k (0: dense)
     top_k: int = 0
     overlap_prior: float = 0.4  # adjacent-token overlap until one is measured
@@ -234,6 +240,8 @@ class AdaptivePolicy:
         self.probe_interval = settings.probe_every  # grows while probes find nothing
         self._probed = False  # the previous step probed
         self._probe_counts: dict[str, int] = {}  # probes each running request was in
+        self._probe_cost_s = 0.0  # the last probe's drafting seconds
+        self._elapsed_s = 0.0  # seconds of forwards and drafting since the last probe
         # (overlap, log-miss of windows of 1..max_k + 1 tokens as an array and a list)
         self._miss_cache: tuple[float, np.ndarray, list[float]] | None = None
         self._held: _Held | None = None  # the last solve's choice while its batch runs
@@ -255,6 +263,7 @@ class AdaptivePolicy:
         frac = self.unique_fraction(windows or [rows])
         predicted = self.step_time.predict_one(rows, frac)
         self.step_time.observe(rows, seconds, frac)
+        self._elapsed_s += seconds
         return None if predicted is None else abs(predicted - seconds) / seconds
 
     def observe_overlap(self, overlap: float) -> None:
@@ -283,6 +292,9 @@ class AdaptivePolicy:
         if depth > 0:
             self._draft_obs += 1
             self.draft_s = _running_mean(self.draft_s, self._draft_obs, seconds / depth)
+        self._elapsed_s += seconds
+        if self._probed:
+            self._probe_cost_s = seconds
         if forward_rows:
             self.draft_time.observe(forward_rows, seconds)
 
@@ -373,8 +385,9 @@ class AdaptivePolicy:
 
     def _probe(self, request_ids: list[str], ks: list[int], caps: list[int],
                pending: list[int] | None = None) -> list[int]:
-        """Every `probe_interval` steps with a request held at K = 0, they draft their cap
-        (at most K_max): those of least catch-up within `probe_catch_up_rows` where
+        """Every `probe_interval` steps with a request held at K = 0, once the time since
+        the last probe is 1 / `probe_budget` times that probe's drafting, they draft their
+        cap (at most K_max): those of least catch-up within `probe_catch_up_rows` where
         `pending` gives the catch-ups (none where each exceeds it), then those probed
         least often while their drafts fit `probe_drafts` (at least one)."""
         idle = [k == 0 and c > 0 for k, c in zip(ks, caps)]
@@ -385,9 +398,10 @@ class AdaptivePolicy:
                 self._since_probe = 0
             return ks
         self._since_probe += 1
-        if self._since_probe < self.probe_interval:
+        if (self._since_probe < self.probe_interval
+                or self._elapsed_s * self.s.probe_budget < self._probe_cost_s):
             return ks
-        self._since_probe = 0
+        self._since_probe, self._elapsed_s = 0, 0.0
         if pending is not None:
             idle = within_budget(idle, pending, pending, self.s.probe_catch_up_rows)
             if not any(idle):  # every catch-up over budget: no probe, and no back-off

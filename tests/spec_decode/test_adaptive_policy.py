@@ -297,6 +297,27 @@ def test_a_probe_adds_at_most_probe_drafts_slots_taking_turns():
     assert p.choose(["a"], [32], 1) == {"a": 32}  # one request, over the budget alone
 
 
+def test_probes_wait_until_their_drafting_fits_the_budget():
+    """A probe whose drafting took 50 ms, against 10 ms steps and a 10% budget: the next
+    waits until 0.5 s have passed since it began, not just `probe_every` steps."""
+    p = AdaptivePolicy(AdaptiveSettings(max_k=4, probe_every=2, probe_every_max=2,
+                                        probe_budget=0.1))
+    _calibrated(p, 0.0, 0.001)  # compute-bound: held at K = 0
+    steps = []
+    for i in range(70):
+        ks = p.choose(["a"], [4], 1)
+        if ks["a"]:
+            steps.append(i)
+            p.observe_draft(4, 0.05)
+        p.observe_step(1, 0.01)
+    # 0.5 s since the last probe began: its own 60 ms, then 44 steps of 10 ms
+    assert steps[0] == 1 and steps[1] - steps[0] == 45
+    p = AdaptivePolicy(AdaptiveSettings(max_k=4, probe_every=2, probe_every_max=2))
+    _calibrated(p, 0.0, 0.001)
+    probes = [i for i in range(8) if p.choose(["a"], [4], 1)["a"]]
+    assert probes == [1, 3, 5, 7]  # n-gram: no drafting time, the interval alone
+
+
 # ---- MoE targets: the step time follows the experts the windows touch ----
 
 from specmoe.spec_decode.routing_overlap import (miss_log, segment_overlap,  # noqa: E402
