@@ -401,11 +401,12 @@ class AdaptivePolicy:
         if (self._since_probe < self.probe_interval
                 or self._elapsed_s * self.s.probe_budget < self._probe_cost_s):
             return ks
-        self._since_probe, self._elapsed_s = 0, 0.0
+        self._since_probe = 0
         if pending is not None:
             idle = within_budget(idle, pending, pending, self.s.probe_catch_up_rows)
             if not any(idle):  # every catch-up over budget: no probe, and no back-off
                 return ks
+        self._elapsed_s = 0.0
         drafts = [min(c, self.s.max_k) for c in caps]
         counts = [self._probe_counts.get(r, 0) for r in request_ids]
         idle = within_budget(idle, counts, drafts, self.s.probe_drafts, at_least_one=True)
