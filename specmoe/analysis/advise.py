@@ -31,6 +31,8 @@ import statistics
 from pathlib import Path
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 from specmoe.analysis.model_card import (acceptance_curve, draft_acceptor,
                                          ngram_acceptor)
 from specmoe.analysis.real_study import (RealStudyConfig, e2e_prompts, measure_forwards,
@@ -156,12 +158,7 @@ def verify_seconds(tt: dict[tuple[int, int], float], b: int, window: float) -> f
     ts = sorted(t for bb, t in tt if bb == b)
     if not ts or not ts[0] <= window <= ts[-1]:
         raise ValueError(f"window {window} outside the measured T {ts} at B={b}")
-    lo = max(t for t in ts if t <= window)
-    if lo == window or lo == ts[-1]:
-        return tt[b, lo]
-    hi = min(t for t in ts if t > window)
-    f = (window - lo) / (hi - lo)
-    return tt[b, lo] * (1 - f) + tt[b, hi] * f
+    return float(np.interp(window, ts, [tt[b, t] for t in ts]))
 
 
 def run_speedup(decode_speedup: float, prefill_s: float, plain_decode_s: float) -> float:

@@ -192,9 +192,14 @@ class AcceptanceTracker:
         return (own[1] + s * prior) / (own[0] + s)
 
     def gains(self, request_id: str) -> np.ndarray:
-        """[max_k] expected tokens the j-th slot adds: its fill chance times prod_{i<=j}
-        rates."""
-        return self.fills(request_id) * np.cumprod(self.rates(request_id))
+        """[max_k] expected tokens the j-th slot adds (`slots`)."""
+        return self.slots(request_id)[0]
+
+    def slots(self, request_id: str) -> tuple[np.ndarray, np.ndarray]:
+        """([max_k] expected tokens the j-th slot adds: its fill chance times
+        prod_{i<=j} rates, [max_k] the fill chances)."""
+        fills = self.fills(request_id)
+        return fills * np.cumprod(self.rates(request_id)), fills
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -339,8 +344,7 @@ class AdaptivePolicy:
         """The best Ks for the batch (module docstring), with the hysteresis; holds the
         choice (`_Held`)."""
         step_s, miss = self._step_fn(base_rows), self._miss()
-        fills = np.stack([self.acceptance.fills(r) for r in request_ids])
-        gains = fills * np.stack([np.cumprod(self.acceptance.rates(r)) for r in request_ids])
+        gains, fills = map(np.stack, zip(*(self.acceptance.slots(r) for r in request_ids)))
         draft_s, rows = self._drafting(request_ids, pending)
         ks, rate = choose_ks(gains, caps_a, step_s, draft_s, miss, rows, fills)
         prev = np.array([min(self._previous.get(r, k), c) for r, k, c

@@ -29,10 +29,8 @@ def _row_features(rows, unique_frac=None) -> np.ndarray:
 
 
 class StepTimeModel:
-    """Target forward seconds as an increasing piecewise-linear function of rows (module
-    docstring), plus
-    c_U U/N on a MoE target (module docstring), non-negative least squares on a window of
-    steps."""
+    """Target forward seconds as an increasing piecewise-linear function of rows, plus c_U U/N
+    on a MoE target (module docstring), non-negative least squares on a window of steps."""
 
     def __init__(self, window: int, min_steps: int, moe: bool = False) -> None:
         self._steps: deque[tuple[int, float, float]] = deque(maxlen=window)
