@@ -70,7 +70,14 @@ second (the choice in `spec_decode.choice`, the time models in `spec_decode.time
 - Prompt lookup fills a slot only where the context has a match: the chance that each
   allowed slot is filled is tracked like acceptance (per request, shrunk towards the
   engine's), and a slot adds that many expected tokens and rows: deep K costs little
-  where matches are short or rare.
+  where matches are short or rare. But the rows then vary from step to step (all of a
+  request's slots filled where its match runs on, none where it has none), and a step
+  costs the mean of its times, not the time of its mean rows: where the time bends
+  upwards (SmolLM2-135M at two requests: flat to ~10 rows, then 0.5 ms a row) two
+  requests at K = 8 filled half the time average 10 rows but run 18 on a quarter of the
+  steps. The step is priced at its expected time for rows ~ Normal(mean, variance) (the
+  hinges' expectations in closed form, `time_models`); priced at the mean rows, the
+  policy drafted like static K = 8 where K = 4 was faster.
 """
 
 from __future__ import annotations
@@ -371,10 +378,11 @@ class AdaptivePolicy:
         return float(model.forward_s(1.0)), (lags, model.forward_s)
 
     def _step_fn(self, base_rows: int, refit: bool = True):
-        """(drafts, log expert misses) -> predicted forward seconds, for a batch whose
-        forward computes `base_rows` rows before drafts."""
-        def step_s(drafts: np.ndarray, misses: np.ndarray) -> np.ndarray:
-            return self.step_time.predict(base_rows + drafts, 1.0 - np.exp(misses), refit)
+        """(drafts, log expert misses, drafts' variance) -> predicted forward seconds, for
+        a batch whose forward computes `base_rows` rows before drafts."""
+        def step_s(drafts: np.ndarray, misses: np.ndarray, var=None) -> np.ndarray:
+            return self.step_time.predict(base_rows + drafts, 1.0 - np.exp(misses), refit,
+                                          var)
         return step_s
 
     def _miss(self) -> np.ndarray | None:

@@ -17,12 +17,30 @@ import numpy as np
 KNOTS = (8, 32, 128)  # rows where the step time's slope may grow
 
 
-def _row_features(rows, unique_frac=None) -> np.ndarray:
+_HINGES = np.array((1.0, 2.0) + KNOTS)  # the ramp's two hinges, then the knots
+
+
+def _hinges(mean: np.ndarray, var) -> np.ndarray:
+    """[..., len(_HINGES)]: E[max(0, r - h)] for each hinge h, r ~ Normal(mean, var) (var
+    None: r = mean)."""
+    gap = mean[..., None] - _HINGES
+    if var is None:
+        return np.maximum(gap, 0.0)
+    from scipy.special import ndtr
+    sd = np.sqrt(np.maximum(np.asarray(var, dtype=float), 1e-12))[..., None]
+    z = gap / sd
+    return gap * ndtr(z) + sd * np.exp(-0.5 * z * z) * (1.0 / np.sqrt(2.0 * np.pi))
+
+
+def _row_features(rows, unique_frac=None, var=None) -> np.ndarray:
     """[..., 2 + 1 + len(KNOTS) (+ 1)]: 1; the step from one row to two, clip(r - 1, 0, 1);
-    r; the hinges; on a MoE target the share of experts touched."""
+    r; the hinges; on a MoE target the share of experts touched. With `var` (same shape as
+    rows), the features' expectations for rows ~ Normal(rows, var): a step whose rows vary
+    (prompt lookup fills a slot only where a match runs on) costs the mean of its times,
+    more than the time of its mean rows where the time bends upwards (Jensen)."""
     r = np.asarray(rows, dtype=float)
-    cols = [np.ones_like(r), np.clip(r - 1.0, 0.0, 1.0), r,
-            *(np.maximum(r - k, 0.0) for k in KNOTS)]
+    h = _hinges(r, var)
+    cols = [np.ones_like(r), h[..., 0] - h[..., 1], r, *np.moveaxis(h[..., 2:], -1, 0)]
     if unique_frac is not None:
         cols.append(np.broadcast_to(np.asarray(unique_frac, dtype=float), r.shape))
     return np.stack(cols, axis=-1)
@@ -74,17 +92,23 @@ class StepTimeModel:
             cj * max(0.0, rows - knot) for cj, knot in zip(c[3:], KNOTS))
         return max(self._floor, float(seconds + (c[-1] * unique_frac if self.moe else 0.0)))
 
-    def predict(self, rows, unique_frac=0.0, refit: bool = True):
+    def predict(self, rows, unique_frac=0.0, refit: bool = True, var=None):
         """Seconds at `rows` (a number or an array) and, on a MoE target, the windows'
-        share of experts (same shape); None before the first fit. `refit=False` skips
-        refitting on the steps observed since the last fit (a cheap, slightly stale
-        prediction)."""
+        share of experts (same shape); None before the first fit. `var`: the rows'
+        variance (same shape), for the expected seconds of steps whose rows vary.
+        `refit=False` skips refitting on the steps observed since the last fit (a cheap,
+        slightly stale prediction)."""
         if refit:
             self.refresh()
         if self.coef is None:
             return None
-        return np.maximum(_row_features(rows, unique_frac if self.moe else None) @ self.coef,
-                          self._floor)
+        c, r = self.coef, np.asarray(rows, dtype=float)
+        h = _hinges(r, var)  # the features of `_row_features`, weighted without stacking
+        seconds = (c[0] + c[1] * (h[..., 0] - h[..., 1]) + c[2] * r
+                   + h[..., 2:] @ c[3:3 + len(KNOTS)])
+        if self.moe:
+            seconds = seconds + c[-1] * np.asarray(unique_frac, dtype=float)
+        return np.maximum(seconds, self._floor)
 
 
 class DraftTimeModel:

@@ -18,7 +18,8 @@ def _gains(rate: float, b: int, max_k: int = 8) -> np.ndarray:
 
 
 def _linear(c0: float, c1: float, base_rows: int):
-    return lambda drafts, misses=None: c0 + c1 * (base_rows + np.asarray(drafts, dtype=float))
+    return lambda drafts, misses=None, var=None: c0 + c1 * (
+        base_rows + np.asarray(drafts, dtype=float))
 
 
 def test_memory_bound_and_high_acceptance_drafts_deep():
@@ -43,7 +44,7 @@ def test_hopeless_speculation_skips_the_search():
     the draft's own time: one prediction (the plain step), no search over depths."""
     calls = []
 
-    def step(drafts, misses=None):
+    def step(drafts, misses=None, var=None):
         calls.append(1)
         return _linear(0.010, 0.0, 4)(drafts)
     ks, rate = choose_ks(_gains(0.01, 4), np.full(4, 8), step, 0.005)
@@ -74,7 +75,7 @@ def test_slots_the_proposer_rarely_fills_cost_their_expected_rows():
     expectation and six of them still fit. The predicted rate counts the same rows."""
     acc = np.cumprod(np.full(8, 0.7))[None, :]
 
-    def step(drafts, misses=None):
+    def step(drafts, misses=None, var=None):
         return 0.005 + 0.002 * np.maximum(0.0, 1 + np.asarray(drafts, dtype=float) - 4)
     full, _ = choose_ks(acc, np.array([8]), step, 0.0)
     fills = np.array([[1.0, 1.0, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2]])
@@ -343,7 +344,7 @@ def test_segment_overlap_counts_only_adjacent_tokens_of_one_request():
 
 def _moe_step(c0: float, c_u: float, base_rows: int):
     """A memory-bound MoE step: a fixed cost plus c_u x the share of experts touched."""
-    return lambda drafts, misses: c0 + c_u * (1 - np.exp(np.asarray(misses, dtype=float)))
+    return lambda drafts, misses, var=None: c0 + c_u * (1 - np.exp(np.asarray(misses, dtype=float)))
 
 
 @pytest.mark.parametrize("overlap, deeper", [(0.9, True), (0.0, False)])
