@@ -260,6 +260,27 @@ def test_a_speculating_batch_is_re_solved_every_few_steps(monkeypatch):
     assert p.choose(["b"], [4], 1) == {"b": 4} and len(solves) == 3  # a left: held
 
 
+def test_a_confirmed_choice_is_held_longer(monkeypatch):
+    """A solve that returns the Ks it held doubles the hold (3, 6, 12, then the cap of
+    12); a new batch restarts it."""
+    import specmoe.spec_decode.adaptive as adaptive
+    p = AdaptivePolicy(AdaptiveSettings(max_k=4, resolve_every=3, resolve_every_max=12,
+                                        probe_every=1000))
+    _calibrated(p, 0.010, 0.0)
+    for _ in range(20):
+        p.observe_verified("a", 4, 4)
+    steps = []
+    real = adaptive.choose_ks
+    monkeypatch.setattr(adaptive, "choose_ks", lambda *a: steps.append(step) or real(*a))
+    for step in range(1, 40):
+        assert p.choose(["a"], [4], 1) == {"a": 4}
+    assert steps == [1, 4, 10, 22, 34]
+    steps.clear()
+    for step in range(1, 5):
+        p.choose(["a", "b"], [4, 4], 2)
+    assert steps == [1, 4]
+
+
 def test_a_probe_with_known_catch_ups_takes_the_cheapest_within_its_budget():
     """A draft model must first run a held request's unseen tokens: a probe takes the held
     requests of least catch-up while they fit `probe_catch_up_rows`, none whose catch-up
