@@ -297,7 +297,7 @@ class EngineCore:
         if self.policy is None or not live:
             return own
         return self.policy.choose(list(own), list(own.values()), len(live),
-                                  self._pending_tokens(live))
+                                  lambda: self._pending_tokens(live))
 
     def _pending_tokens(self, reqs: list[Request]) -> list[int] | None:
         """Per request, the tokens the draft model's cache lacks (its catch-up), where an

@@ -86,6 +86,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable, Union
 
 import numpy as np
 
@@ -229,6 +230,14 @@ def within_budget(chosen: list[bool], keys: list[int], costs: list[int], budget:
     return keep
 
 
+Pending = Union[list[int], Callable[[], list[int]], None]
+
+
+def _resolve(pending: Pending) -> list[int] | None:
+    """The catch-ups of `AdaptivePolicy.choose`'s `pending`, calling it if a function."""
+    return pending() if callable(pending) else pending
+
+
 def _running_mean(mean: float, count: int, value: float) -> float:
     """The mean of the first values, then a moving average weighting the newest by 0.1;
     `count` includes `value`."""
@@ -314,10 +323,12 @@ class AdaptivePolicy:
             self.draft_time.observe(forward_rows, seconds)
 
     def choose(self, request_ids: list[str], caps: list[int], base_rows: int,
-               pending: list[int] | None = None) -> dict[str, int]:
+               pending: Pending = None) -> dict[str, int]:
         """K per request (at most its cap) for the next step; `base_rows`: the rows the
         step computes without drafts (the predicted time adds the expected draft rows);
-        `pending`: per request, the tokens its draft cache lacks (for `draft_rows_model`)."""
+        `pending`: per request, the tokens its draft cache lacks (for `draft_rows_model`
+        and probes), or a function giving them, called only on the steps that need them
+        (most steps hold their Ks: a lookup per request there costs a tiny target ~5%)."""
         if not request_ids:
             return {}
         if self.step_time.coef is None:  # not calibrated yet: the requests' own K
@@ -344,13 +355,13 @@ class AdaptivePolicy:
         self._probed = False
 
     def _keep(self, request_ids: list[str], ks: list[int], caps: list[int],
-              pending: list[int] | None = None) -> dict[str, int]:
+              pending: Pending = None) -> dict[str, int]:
         """The chosen Ks with this step's probes, remembered for the hysteresis."""
         self._previous = dict(zip(request_ids, self._probe(request_ids, ks, caps, pending)))
         return dict(self._previous)
 
     def _solve(self, request_ids: list[str], caps_a: np.ndarray, base_rows: int,
-               pending: list[int] | None) -> np.ndarray:
+               pending: Pending) -> np.ndarray:
         """The best Ks for the batch (module docstring), with the hysteresis; holds the
         choice (`_Held`)."""
         step_s, miss = self._step_fn(base_rows), self._miss()
@@ -376,14 +387,15 @@ class AdaptivePolicy:
             return min(2 * held.every, self.s.resolve_every_max)
         return self.s.resolve_every
 
-    def _drafting(self, request_ids: list[str], pending: list[int] | None):
+    def _drafting(self, request_ids: list[str], pending: Pending):
         """(draft_s, draft_rows) for `choose_ks`: the cost per depth, or with
         `draft_rows_model` (once fitted) the least a forward costs and each request's
         catch-up rows, a resuming request's spread over `catch_up_horizon` steps."""
         model = self.draft_time
-        if self.s.draft_rows_model and pending is not None:
+        pending = _resolve(pending) if self.s.draft_rows_model else None
+        if pending is not None:
             model.refresh()
-        if not self.s.draft_rows_model or pending is None or model.coef is None:
+        if pending is None or model.coef is None:
             return self.draft_s, None
         h = self.s.catch_up_horizon
         lags = np.array([p if self._previous.get(r, 0) > 0 else 1 + max(p - 1, 0) / h
@@ -409,7 +421,7 @@ class AdaptivePolicy:
         return self._miss_cache[1]
 
     def _probe(self, request_ids: list[str], ks: list[int], caps: list[int],
-               pending: list[int] | None = None) -> list[int]:
+               pending: Pending = None) -> list[int]:
         """Every `probe_interval` steps with a request held at K = 0, once the time since
         the last probe is 1 / `probe_budget` times that probe's drafting, they draft their
         cap (at most K_max): those of least catch-up within `probe_catch_up_rows` where
@@ -427,6 +439,7 @@ class AdaptivePolicy:
                 or self._elapsed_s * self.s.probe_budget < self._probe_cost_s):
             return ks
         self._since_probe = 0
+        pending = _resolve(pending)
         if pending is not None:
             idle = within_budget(idle, pending, pending, self.s.probe_catch_up_rows)
             if not any(idle):  # every catch-up over budget: no probe, and no back-off

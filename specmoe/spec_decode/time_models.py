@@ -32,14 +32,11 @@ def _hinges(mean: np.ndarray, var) -> np.ndarray:
     return gap * ndtr(z) + sd * np.exp(-0.5 * z * z) * (1.0 / np.sqrt(2.0 * np.pi))
 
 
-def _row_features(rows, unique_frac=None, var=None) -> np.ndarray:
+def _row_features(rows, unique_frac=None) -> np.ndarray:
     """[..., 2 + 1 + len(KNOTS) (+ 1)]: 1; the step from one row to two, clip(r - 1, 0, 1);
-    r; the hinges; on a MoE target the share of experts touched. With `var` (same shape as
-    rows), the features' expectations for rows ~ Normal(rows, var): a step whose rows vary
-    (prompt lookup fills a slot only where a match runs on) costs the mean of its times,
-    more than the time of its mean rows where the time bends upwards (Jensen)."""
+    r; the hinges; on a MoE target the share of experts touched."""
     r = np.asarray(rows, dtype=float)
-    h = _hinges(r, var)
+    h = _hinges(r, None)
     cols = [np.ones_like(r), h[..., 0] - h[..., 1], r, *np.moveaxis(h[..., 2:], -1, 0)]
     if unique_frac is not None:
         cols.append(np.broadcast_to(np.asarray(unique_frac, dtype=float), r.shape))
@@ -95,7 +92,9 @@ class StepTimeModel:
     def predict(self, rows, unique_frac=0.0, refit: bool = True, var=None):
         """Seconds at `rows` (a number or an array) and, on a MoE target, the windows'
         share of experts (same shape); None before the first fit. `var`: the rows'
-        variance (same shape), for the expected seconds of steps whose rows vary.
+        variance (same shape): the expected seconds for rows ~ Normal(rows, var), more
+        than the seconds at the mean rows where the time bends upwards (Jensen), as for a
+        step whose rows vary (prompt lookup fills a slot only where a match runs on).
         `refit=False` skips refitting on the steps observed since the last fit (a cheap,
         slightly stale prediction)."""
         if refit:
