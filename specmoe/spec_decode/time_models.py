@@ -17,6 +17,16 @@ import numpy as np
 KNOTS = (8, 32, 128)  # rows where the step time's slope may grow
 
 
+def _scipy():
+    """scipy with the modules the models use (nnls, ndtr), imported on first use: ~0.6 s,
+    which an engine without an adaptive policy should not pay, and which an adaptive one
+    should pay when it is built, not inside its first timed steps (it cost the first
+    repetition of a benchmark at one request 15%)."""
+    import scipy.optimize
+    import scipy.special
+    return scipy
+
+
 _HINGES = np.array((1.0, 2.0) + KNOTS)  # the ramp's two hinges, then the knots
 
 
@@ -26,10 +36,10 @@ def _hinges(mean: np.ndarray, var) -> np.ndarray:
     gap = mean[..., None] - _HINGES
     if var is None:
         return np.maximum(gap, 0.0)
-    from scipy.special import ndtr
     sd = np.sqrt(np.maximum(np.asarray(var, dtype=float), 1e-12))[..., None]
     z = gap / sd
-    return gap * ndtr(z) + sd * np.exp(-0.5 * z * z) * (1.0 / np.sqrt(2.0 * np.pi))
+    density = np.exp(-0.5 * z * z) * (1.0 / np.sqrt(2.0 * np.pi))
+    return gap * _scipy().special.ndtr(z) + sd * density
 
 
 def _row_features(rows, unique_frac=None) -> np.ndarray:
@@ -48,6 +58,7 @@ class StepTimeModel:
     on a MoE target (module docstring), non-negative least squares on a window of steps."""
 
     def __init__(self, window: int, min_steps: int, moe: bool = False) -> None:
+        _scipy()  # imported here, not on the first fit inside a timed step
         self._steps: deque[tuple[int, float, float]] = deque(maxlen=window)
         self.min_steps = min_steps
         self.moe = moe
@@ -70,7 +81,7 @@ class StepTimeModel:
             self._fit()
 
     def _fit(self) -> None:
-        from scipy.optimize import nnls
+        nnls = _scipy().optimize.nnls
         rows, secs, frac = np.array(self._steps, dtype=float).T
         feats = _row_features(rows, frac if self.moe else None)
         # relative error: a long prefill step must not outweigh a hundred decode steps
@@ -137,7 +148,7 @@ class DraftTimeModel:
         """Fit once `min_calls` calls are in, then again after every 4 more."""
         if len(self._calls) >= self.min_calls and (
                 self.coef is None or self._observed - self._fitted_at >= 4):
-            from scipy.optimize import nnls
+            nnls = _scipy().optimize.nnls
             feats = np.stack([f for f, _, _ in self._calls])
             secs = np.array([t for _, t, _ in self._calls])
             self.coef, _ = nnls(feats / secs[:, None], np.ones_like(secs))
