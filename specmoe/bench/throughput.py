@@ -434,7 +434,7 @@ def _timed_step(core, steps: list[list]):
     step = core.step
 
     def timed():
-        num_steps = core.stats.num_steps
+        num_steps, emitted = core.stats.num_steps, core.stats.num_generation_tokens
         t = time.perf_counter()
         out = step()
         seconds = time.perf_counter() - t
@@ -442,7 +442,8 @@ def _timed_step(core, steps: list[list]):
         if core.stats.num_steps > num_steps and last is not None:
             steps.append([round(seconds, 5), last.num_scheduled_requests,
                           last.num_scheduled_tokens, last.num_draft_tokens,
-                          last.num_preempted, last.num_logits])
+                          last.num_preempted, last.num_logits,
+                          core.stats.num_generation_tokens - emitted])
         return out
     return timed
 

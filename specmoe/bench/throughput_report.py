@@ -165,19 +165,40 @@ def throughput_table(results: dict) -> list[str]:
 
 def policy_section(results: dict) -> list[str]:
     """With several speculative modes: speedup over plain per C and mode, the adaptive
-    policy's K choices, and the issue's targets (empty with one mode)."""
-    by_mode = results["ratios"].get("speedup_by_mode", {})
+    policy's K choices, and the issue's targets, over whole runs and over the steps at
+    full occupancy (`throughput_stats.full_batch_tokens_per_s`; empty with one mode)."""
+    ratios = results["ratios"]
+    by_mode = ratios.get("speedup_by_mode", {})
     if len(by_mode) < 2:
         return []
-    modes = list(by_mode)
-    cs = sorted({int(c) for v in by_mode.values() for c in v})
     rows = {(r["concurrency"], r["mode"]): r for r in results["rows"] if r["num_reps"]}
-    adaptive = [m for m in modes if m.startswith("adaptive")]
     out = ["## Speculation policies", "",
            "Speculative tokens/s over plain tokens/s at the same C (median of the per-"
            "repetition ratios); for adaptive modes, the mean K and share of (request, step) "
-           "pairs at K = 0.", "",
-           "| C | " + " | ".join(modes) + "".join(f" | {m} K mean / off" for m in adaptive)
+           "pairs at K = 0.", ""]
+    out += _policy_table(by_mode, rows, ratios.get("policy_targets"))
+    errors = [r["step_time_prediction_error"] for r in rows.values()
+              if r.get("step_time_prediction_error") is not None]
+    if errors:
+        out.append(f"Median relative error of the adaptive policy's predicted step "
+                   f"times: {min(errors):.1%} to {max(errors):.1%} over the runs' C.")
+    full = ratios.get("full_batch_speedup_by_mode")
+    if full:
+        out += ["", "### At full occupancy", "",
+                "The same ratios over the steps whose batch held min(C, requests) requests, "
+                "as a server with requests waiting runs: a finite run ends in a drain below "
+                "C, longer where speculation staggers when requests finish (the engine table's "
+                "batch mean).", ""]
+        out += _policy_table(full, rows, ratios.get("full_batch_policy_targets"))
+    return out + [""]
+
+
+def _policy_table(by_mode: dict, rows: dict, targets: dict | None) -> list[str]:
+    """The speedup table of `policy_section` and its targets line."""
+    modes = list(by_mode)
+    cs = sorted({int(c) for v in by_mode.values() for c in v})
+    adaptive = [m for m in modes if m.startswith("adaptive")]
+    out = ["| C | " + " | ".join(modes) + "".join(f" | {m} K mean / off" for m in adaptive)
            + " |", "|---" * (len(modes) + len(adaptive) + 1) + "|"]
     for c in cs:
         ks = []
@@ -188,10 +209,8 @@ def policy_section(results: dict) -> list[str]:
         out.append(f"| {c} | " + " | ".join(_fmt_ratio(by_mode[m].get(str(c)))
                                              for m in modes)
                    + "".join(f" | {k}" for k in ks) + " |")
-    t = results["ratios"].get("policy_targets")
-    if t:
-        errors = [r["step_time_prediction_error"] for r in rows.values()
-                  if r.get("step_time_prediction_error") is not None]
+    if targets:
+        t = targets
         out += ["", f"Targets: adaptive >= 0.97x plain at every C (worst "
                 f"{t['min_vs_plain']:.2f}x) and >= 0.95x the best static K at every C "
                 f"(worst {t['min_vs_best_static']:.2f}x): "
@@ -199,10 +218,7 @@ def policy_section(results: dict) -> list[str]:
                 + ", ".join(f"C={c} {v['vs_best_static']:.2f}x ({v['best_static']})"
                             for c, v in t["per_concurrency"].items()
                             if v["vs_best_static"] is not None) + "."]
-        if errors:
-            out.append(f"Median relative error of the adaptive policy's predicted step "
-                       f"times: {min(errors):.1%} to {max(errors):.1%} over the runs' C.")
-    return out + [""]
+    return out
 
 
 def engine_table(rows: list[dict]) -> list[str]:

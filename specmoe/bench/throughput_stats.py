@@ -12,7 +12,7 @@ from specmoe.bench import throughput_ep
 
 # one engine step of a run: its wall seconds and the scheduler's counts
 STEP_FIELDS = ["seconds", "num_scheduled_requests", "num_scheduled_tokens",
-               "num_draft_tokens", "num_preempted", "num_logits"]
+               "num_draft_tokens", "num_preempted", "num_logits", "num_emitted_tokens"]
 
 def percentile(values: list[float], q: float) -> float:
     """The q-th percentile (0-100) with linear interpolation between order statistics
@@ -119,6 +119,26 @@ def _tps_by_rep(runs: list[dict], at_floor: bool = False) -> dict[tuple, float]:
             for r in runs if "error" not in r and (not at_floor or r.get("floor_seconds"))}
 
 
+def full_batch_tokens_per_s(run: dict) -> float | None:
+    """Tokens emitted per second over the run's steps whose batch held every request it
+    may (min(C, its requests)): the rate of a server that always has requests waiting.
+    A finite run ends in a drain, its last requests running below C, and speculation
+    staggers when requests finish while plain requests of one length finish together:
+    on 16 SmolLM2 requests at C = 8 the drain cut the speculative modes' mean batch to
+    6.4-6.8 against plain's 8.0. None for runs whose steps do not record their tokens."""
+    full = min(run["concurrency"], len(run["requests"]))
+    steps = [s for s in run["steps"] if len(s) > 6 and s[1] == full]
+    seconds = sum(s[0] for s in steps)
+    return sum(s[6] for s in steps) / seconds if seconds else None
+
+
+def _full_batch_by_rep(runs: list[dict]) -> dict[tuple, float]:
+    """{(rep, C, mode): `full_batch_tokens_per_s`} of the successful runs that record it."""
+    tps = {(r["rep"], r["concurrency"], r["mode"]): full_batch_tokens_per_s(r)
+           for r in runs if "error" not in r}
+    return {k: v for k, v in tps.items() if v}
+
+
 def _paired(tps: dict[tuple, float], num: tuple, den: tuple,
             den_tps: dict[tuple, float] | None = None) -> list[float]:
     """Per repetition: tokens/s of key `num` (concurrency, mode) over that of `den` (in
@@ -148,13 +168,22 @@ def ratios(runs: list[dict]) -> dict:
         return {"baseline_concurrency": None, "scaling": {}, "speedup": {},
                 "speedup_by_mode": {}}
     base = (cs[0], "plain")
-    by_mode = {m: {str(c): _summary(_paired(tps, (c, m), (c, "plain"))) for c in cs}
-               for m in modes if m != "plain"}
+    by_mode = _by_mode(tps, cs, modes)
+    full = _full_batch_by_rep(runs)
     return {"baseline_concurrency": cs[0],
             "scaling": {m: {str(c): _summary(_paired(tps, (c, m), base)) for c in cs}
                         for m in modes},
             "speedup": by_mode.get("spec", {}), "speedup_by_mode": by_mode,
-            "policy_targets": policy_targets(tps, cs, modes)}
+            "policy_targets": policy_targets(tps, cs, modes),
+            # the same ratios over the steps at full occupancy (`full_batch_tokens_per_s`)
+            "full_batch_speedup_by_mode": _by_mode(full, cs, modes) if full else {},
+            "full_batch_policy_targets": policy_targets(full, cs, modes) if full else None}
+
+
+def _by_mode(tps: dict[tuple, float], cs: list[int], modes: list[str]) -> dict:
+    """{mode: {str(C): summary of its tokens/s over plain's, paired by repetition}}."""
+    return {m: {str(c): _summary(_paired(tps, (c, m), (c, "plain"))) for c in cs}
+            for m in modes if m != "plain"}
 
 
 def policy_targets(tps: dict[tuple, float], cs: list[int], modes: list[str]) -> dict | None:

@@ -8,8 +8,9 @@ import json
 import pytest
 
 from specmoe.bench.throughput import ThroughputBenchConfig, round_robin, waves_for
-from specmoe.bench.throughput_stats import (STEP_FIELDS, aggregate, is_decode_step, percentile,
-                                            ratios, slowest_steps, target_line)
+from specmoe.bench.throughput_stats import (STEP_FIELDS, aggregate, full_batch_tokens_per_s,
+                                            is_decode_step, percentile, ratios, slowest_steps,
+                                            target_line)
 from specmoe.bench.throughput_report import caveats, markdown, target_sentence, write_report
 from specmoe.utils.data import Prompt
 
@@ -25,8 +26,8 @@ def _run(rep, c, mode, tps, latencies=None, drafts=0, accepted=0, preempted=0,
                       "finish_reason": "length", "latency_s": lat, "first_token_s": lat / 4,
                       "decode_tokens_per_s": 7 / (lat * 3 / 4)}
                      for i, lat in enumerate(latencies)],
-        "steps": ([[prefill_seconds, c, 100 * c, 0, 0, 0]] if prefill_seconds else [])
-        + [[s, c, c, 0, 0, c] for s in step_seconds],
+        "steps": ([[prefill_seconds, c, 100 * c, 0, 0, 0, 0]] if prefill_seconds else [])
+        + [[s, c, c, 0, 0, c, c] for s in step_seconds],
         "engine_stats": {"num_steps": len(step_seconds), "mean_batch_size": c * 0.9,
                          "max_batch_size": c, "num_scheduled_tokens": 0,
                          "num_preemptions": preempted, "max_kv_blocks_used": 3 * c,
@@ -247,6 +248,32 @@ def test_policy_modes_are_compared_with_plain_and_the_best_static_k():
     assert ratios(runs)["policy_targets"]["met"] is True
     runs[-1]["tokens_per_s"] = 20
     assert ratios(runs)["policy_targets"]["met"] is False
+
+
+def test_full_occupancy_rate_leaves_out_the_drain():
+    """Plain's requests of one length finish together; the speculative run's drain ends
+    on one request (a 0.1 s step emitting 1 token): over whole runs it reads below plain,
+    over the steps with both requests in flight above it."""
+    def run(mode, steps):
+        r = _run(0, 2, mode, 1.0)
+        r["steps"] = [[sec, n, n, 0, 0, n, emitted] for sec, n, emitted in steps]
+        r["num_output_tokens"] = sum(s[6] for s in r["steps"])
+        r["wall_seconds"] = sum(s[0] for s in r["steps"])
+        r["tokens_per_s"] = r["num_output_tokens"] / r["wall_seconds"]
+        return r
+    plain = run("plain", [(0.1, 2, 2)] * 8)                          # 16 tokens in 0.8 s
+    spec = run("spec", [(0.125, 2, 3)] * 4 + [(0.1, 1, 1)] * 4)      # 16 tokens in 0.9 s
+    assert full_batch_tokens_per_s(plain) == pytest.approx(20.0)
+    assert full_batch_tokens_per_s(spec) == pytest.approx(24.0)
+    assert full_batch_tokens_per_s(plain | {"steps": [s[:6] for s in plain["steps"]]}) is None
+    r = ratios([plain, spec])
+    assert r["speedup_by_mode"]["spec"]["2"]["median"] == pytest.approx(0.8 / 0.9)
+    assert r["full_batch_speedup_by_mode"]["spec"]["2"]["median"] == pytest.approx(1.2)
+    md = markdown(_results([plain, spec]) | {"rows": aggregate([plain, spec]), "ratios": r})
+    assert "### At full occupancy" not in md  # one speculative mode: no policy section
+    runs = _policy_runs()
+    md = markdown(_results(runs) | {"rows": aggregate(runs), "ratios": ratios(runs)})
+    assert "### At full occupancy" in md
 
 
 def test_policy_config():
