@@ -125,7 +125,9 @@ def full_batch_tokens_per_s(run: dict) -> float | None:
     A finite run ends in a drain, its last requests running below C, and speculation
     staggers when requests finish while plain requests of one length finish together:
     on 16 SmolLM2 requests at C = 8 the drain cut the speculative modes' mean batch to
-    6.4-6.8 against plain's 8.0. None for runs whose steps do not record their tokens."""
+    6.4-6.8 against plain's 8.0. With one wave (C >= the requests) these are the steps
+    until the first request finishes, its prompts' prefill a larger share of them the
+    sooner that is. None for runs whose steps do not record their tokens."""
     full = min(run["concurrency"], len(run["requests"]))
     steps = [s for s in run["steps"] if len(s) > 6 and s[1] == full]
     seconds = sum(s[0] for s in steps)
