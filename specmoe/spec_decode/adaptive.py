@@ -328,7 +328,8 @@ class AdaptivePolicy:
         step computes without drafts (the predicted time adds the expected draft rows);
         `pending`: per request, the tokens its draft cache lacks (for `draft_rows_model`
         and probes), or a function giving them, called only on the steps that need them
-        (most steps hold their Ks: a lookup per request there costs a tiny target ~5%)."""
+        (most steps hold their Ks and need none: a lookup per request per step is a cost
+        of its own on a target whose steps take a millisecond)."""
         if not request_ids:
             return {}
         if self.step_time.coef is None:  # not calibrated yet: the requests' own K
