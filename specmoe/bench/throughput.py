@@ -11,12 +11,12 @@ submitted at once (`arrival="waves"`); a run at C >= num_requests is one wave of
 prompts. Waves end on their slowest request: where speculation lets some requests of a wave
 finish early, the rest of the wave runs a smaller batch, which a server with requests
 waiting would not. The engine's counters (`EngineStats`) are reset before each run and the
-target's prefix cache is emptied, so every run starts cold. Modes are interleaved: each repetition sweeps every C, and
-at each C the modes alternate wave by wave (`interleave="wave"`: wave 1 plain, wave 1
-speculative, wave 2 ...; "run": whole runs, plain then speculative), so the machine's drift
-hits every mode (and every C) alike, and the ratios (throughput at C over plain throughput at
-C=1, speculative over plain at C) are taken within one repetition and summarised by their
-median.
+target's prefix cache is emptied, so every run starts cold. Modes are interleaved: each
+repetition sweeps every C, and at each C the modes alternate wave by wave
+(`interleave="wave"`: wave 1 plain, wave 1 speculative, wave 2 ...; "run": whole runs,
+plain then speculative), so the machine's drift hits every mode (and every C) alike, and the
+ratios (throughput at C over plain throughput at C=1, speculative over plain at C) are taken
+within one repetition and summarised by their median.
 """
 
 from __future__ import annotations

@@ -42,15 +42,16 @@ def _hinges(mean: np.ndarray, var) -> np.ndarray:
     return gap * _scipy().special.ndtr(z) + sd * density
 
 
-def _row_features(rows, unique_frac=None) -> np.ndarray:
+def _row_features(rows, unique_frac=None, var=None) -> np.ndarray:
     """[..., 2 + 1 + len(KNOTS) (+ 1)]: 1; the step from one row to two, clip(r - 1, 0, 1);
-    r; the hinges; on a MoE target the share of experts touched."""
+    r; the hinges; on a MoE target the share of experts touched. With `var` (the rows'
+    variance, same shape), their expectations for rows ~ Normal(rows, var)."""
     r = np.asarray(rows, dtype=float)
-    h = _hinges(r, None)
-    cols = [np.ones_like(r), h[..., 0] - h[..., 1], r, *np.moveaxis(h[..., 2:], -1, 0)]
+    h = _hinges(r, var)
+    cols = [np.ones_like(r)[..., None], h[..., :1] - h[..., 1:2], r[..., None], h[..., 2:]]
     if unique_frac is not None:
-        cols.append(np.broadcast_to(np.asarray(unique_frac, dtype=float), r.shape))
-    return np.stack(cols, axis=-1)
+        cols.append(np.broadcast_to(np.asarray(unique_frac, dtype=float), r.shape)[..., None])
+    return np.concatenate(cols, axis=-1)
 
 
 class StepTimeModel:
@@ -112,13 +113,8 @@ class StepTimeModel:
             self.refresh()
         if self.coef is None:
             return None
-        c, r = self.coef, np.asarray(rows, dtype=float)
-        h = _hinges(r, var)  # the features of `_row_features`, weighted without stacking
-        seconds = (c[0] + c[1] * (h[..., 0] - h[..., 1]) + c[2] * r
-                   + h[..., 2:] @ c[3:3 + len(KNOTS)])
-        if self.moe:
-            seconds = seconds + c[-1] * np.asarray(unique_frac, dtype=float)
-        return np.maximum(seconds, self._floor)
+        feats = _row_features(rows, unique_frac if self.moe else None, var)
+        return np.maximum(feats @ self.coef, self._floor)
 
 
 class DraftTimeModel:
