@@ -147,7 +147,8 @@ class EngineCore:
                 raise RuntimeError("no request could be scheduled; the KV cache is too small")
             return []
         self._failed = []
-        sampled_routing = self.routing_sampler is not None and self.routing_sampler.begin()
+        sampled_routing = self.routing_sampler is not None and self.routing_sampler.begin(
+            max(len(s.token_ids) for s in out.scheduled))
         t0 = time.perf_counter()
         try:
             logits = self._forward(out.scheduled)

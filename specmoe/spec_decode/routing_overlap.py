@@ -11,9 +11,12 @@ the expert bytes a memory-bound MoE layer reads (the union the study's cost mode
 `analysis.cost_model`; Huang et al. 2025, MoESD, arXiv 2505.19645, sec. 3).
 
 Measuring o needs the router's choices, which the fused decoder driver does not hand back:
-`RoutingSampler` attaches a recorder to the MoE blocks for one step in `every` (that step
-runs the blocks as modules, so its time is left out of the step-time fit) and measures o
-over adjacent tokens within each request's rows.
+`RoutingSampler` attaches a recorder to the MoE blocks for one step in `every` of those that
+compute two adjacent tokens of a request (a draft window or a prompt chunk: a step of
+single-token decodes has no pair to measure) and measures o over adjacent tokens within
+each request's rows. A sampled step runs the blocks as modules, off the fused driver, so
+its time is left out of the step-time fit (sampling tiny-moe's single-token steps too cost
+2-3% of a run held at K = 0, for nothing).
 """
 
 from __future__ import annotations
@@ -90,10 +93,14 @@ class RoutingSampler:
     def applies(self) -> bool:
         return bool(self.blocks)
 
-    def begin(self) -> bool:
-        """Attach the recorder if this step is sampled; True when it is."""
+    def begin(self, longest_window: int) -> bool:
+        """Attach the recorder if this step is sampled (`longest_window`: the most rows any
+        request computes in it; steps of one row each are never sampled nor counted);
+        True when it is."""
+        if not self.blocks or longest_window < 2:
+            return False
         self._steps += 1
-        if not self.blocks or self._steps % self.every:
+        if self._steps % self.every:
             return False
         self._recorder = ExpertStatsRecorder()
         self._own = [b.stats for b in self.blocks]

@@ -71,3 +71,17 @@ def test_rows_priced_drafting_fits_the_draft_forwards_and_stays_lossless():
     # summed features: 1, the one-to-two-rows step, rows, ...)
     assert max(f[2] for f, _, _ in model._calls) >= 5
     assert model.forward_s(1.0) > 0
+
+
+def test_routing_is_sampled_only_on_steps_with_adjacent_tokens():
+    """A step of single-token decodes has no adjacent pair to measure: it is neither
+    sampled (it stays on the fused driver) nor counted towards `every`."""
+    from specmoe.spec_decode.routing_overlap import RoutingSampler
+    model = LLM("tiny-moe", dtype="float32").target.model
+    sampler = RoutingSampler(model, every=2)
+    assert [sampler.begin(1) for _ in range(5)] == [False] * 5
+    assert sampler.begin(3) is False
+    assert all(type(b.stats) is NullExpertStats for b in moe_blocks(model))
+    assert sampler.begin(2) is True  # the second multi-row step
+    assert sampler.end([2]) is None  # no forward ran in between: nothing recorded
+    assert all(type(b.stats) is NullExpertStats for b in moe_blocks(model))
