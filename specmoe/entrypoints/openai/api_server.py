@@ -40,6 +40,7 @@ from specmoe.engine.async_engine import AsyncEngine
 from specmoe.entrypoints.openai import protocol as P
 from specmoe.entrypoints.openai.metrics import ServerMetrics
 from specmoe.entrypoints.openai.serving import APIError, OpenAIServing
+from specmoe.utils.gc_heap import frozen_heap
 
 logger = logging.getLogger("specmoe.server")
 API_KEY_ENV = "SPECMOE_API_KEY"
@@ -421,4 +422,5 @@ def run_server(llm, model_name: str, cfg: ServeConfig) -> None:
                     cfg.drain_timeout_s, cfg.max_request_bytes)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
                             timeout_graceful_shutdown=5, access_log=False)
-    DrainingServer(config, app.state.specmoe).run()
+    with frozen_heap():  # the loaded engine lives as long as the server
+        DrainingServer(config, app.state.specmoe).run()
