@@ -56,7 +56,7 @@ second (the choice in `spec_decode.choice`, the time models in `spec_decode.time
   run at one request. Then the requests probed least often go first while their drafts fit
   `probe_drafts` slots (at least one request): probing all sixteen requests of SmolLM2 at
   K = 8 added 128 rows to a step, and the one or two probes of a 48-token run cost 6%.
-  And a probe waits until its drafting is at most `probe_budget` (2%) of the time since
+  And a probe waits until its drafting is at most `probe_budget` (1%) of the time since
   the last one, timed on that one (its draft's catch-up included), bounding what probes
   cost as Cascade's utility test bounds a slowdown (arXiv 2506.20675): on a carved
   Qwen2.5-Coder MoE with the 0.5B draft, probes of 32-token requests at one request cost
@@ -67,8 +67,11 @@ second (the choice in `spec_decode.choice`, the time models in `spec_decode.time
   request drafts): a solve and the refit it asks for cost ~0.3 ms, 3% of a SmolLM2 step,
   and the estimates they read move little from one step to the next. A solve that
   returns the Ks it held doubles the hold, up to `resolve_every_max` steps; one that
-  changes them (or a new batch) restarts it at `resolve_every`. The step-time model is
-  refitted only when a solve needs it.
+  changes them (or a new batch) restarts it at `resolve_every`. One that keeps the batch
+  off doubles it too, up to `recheck_every_max`, whatever joined or left. The step-time
+  model is refitted only when a solve needs it, and only once an eighth of its window is
+  new. A batch held off costs a dictionary per step: on tiny-moe, whose steps take under
+  a millisecond, the held path's lists and the rechecks cost 3-5% of a step.
 - Prompt lookup fills a slot only where the context has a match: the chance that each
   allowed slot is filled is tracked like acceptance (per request, shrunk towards the
   engine's), and a slot adds that many expected tokens and rows: deep K costs little
@@ -99,10 +102,11 @@ class _Held:
     """A solve's Ks per request, kept while its requests run (some may have left; none
     joined, no probe between) until `every` steps have passed."""
 
-    __slots__ = ("ks", "every", "steps")
+    __slots__ = ("ks", "every", "steps", "idle")
 
     def __init__(self, batch: list[str], ks: list[int], every: int) -> None:
         self.ks, self.every, self.steps = dict(zip(batch, ks)), every, 1
+        self.idle = not any(ks)  # speculation off for the whole batch
 
     def holds(self, batch: list[str]) -> bool:
         return self.steps < self.every and all(r in self.ks for r in batch)
@@ -121,6 +125,8 @@ class AdaptiveSettings:
     probe_every: int = 16
     probe_every_max: int = 256
     recheck_every: int = 32
+    recheck_every_max: int = 256
+    idle_observe_every: int = 4
     resolve_every: int = 4
     resolve_every_max: int = 16
     window: int = 256
@@ -129,7 +135,7 @@ class AdaptiveSettings:
     catch_up_horizon: int = 16  # steps a resuming request's catch-up is spread over
     probe_catch_up_rows: int = 128  # catch-up tokens one probe may run through the draft
     probe_drafts: int = 16  # draft slots one probe may add to the target's step
-    probe_budget: float = 0.02  # the share of the time probes' drafting may take
+    probe_budget: float = 0.01  # the share of the time probes' drafting may take
     num_experts: int = 0  # a MoE target's routed experts N and top-k (0: dense)
     top_k: int = 0
     overlap_prior: float = 0.4  # adjacent-token overlap until one is measured
@@ -269,6 +275,7 @@ class AdaptivePolicy:
         # (overlap, log-miss of windows of 1..max_k + 1 tokens as an array and a list)
         self._miss_cache: tuple[float, np.ndarray, list[float]] | None = None
         self._held: _Held | None = None  # the last solve's choice while its batch runs
+        self._idle_steps = 0  # steps observed while held at K = 0
 
     def observe_verified(self, request_id: str, drafted: int, accepted: int) -> None:
         self.acceptance.observe(request_id, drafted, accepted)
@@ -283,7 +290,14 @@ class AdaptivePolicy:
         target's expert share); returns the relative error of the time model's prediction
         of it from the last fit (None before the first fit). The step as run, not as the
         choice expected it: prompt lookup's drafts and new requests' prompt chunks are
-        only known once scheduled."""
+        only known once scheduled. While the batch is held at K = 0 one step in
+        `idle_observe_every` is recorded: those steps repeat one another's rows, and
+        recording each cost tiny-moe ~2% of its step."""
+        if self._held is not None and self._held.idle:
+            self._idle_steps += 1
+            if self._idle_steps % self.s.idle_observe_every:
+                self._elapsed_s += seconds
+                return None
         frac = self.unique_fraction(windows or [rows])
         predicted = self.step_time.predict_one(rows, frac)
         self.step_time.observe(rows, seconds, frac)
@@ -339,6 +353,9 @@ class AdaptivePolicy:
             # the common step: the last solve's Ks, kept in plain Python (a solve costs
             # a few numpy calls per draft depth, a twentieth of a small target's step)
             held.steps += 1
+            if held.idle and any(caps) and not self._probe_due():
+                self._since_probe += 1  # `_probe`'s count, without its lists
+                return dict.fromkeys(request_ids, 0)
             ks = [min(held.ks[r], c) for r, c in zip(request_ids, caps)]
             return self._keep(request_ids, ks, caps, pending)
         caps_a = np.minimum(np.asarray(caps, dtype=np.int64), self.s.max_k)
@@ -371,19 +388,22 @@ class AdaptivePolicy:
         ks, rate = choose_ks(gains, caps_a, step_s, draft_s, miss, rows, fills)
         prev = np.array([min(self._previous.get(r, k), c) for r, k, c
                          in zip(request_ids, ks, caps_a)], dtype=np.int64)
-        if rate <= predicted_rate(prev, gains, step_s, draft_s, miss, rows, fills) * (
-                1 + self.s.hysteresis):
+        if (prev != ks).any() and rate <= predicted_rate(
+                prev, gains, step_s, draft_s, miss, rows, fills) * (1 + self.s.hysteresis):
             ks = prev
         self._held = _Held(request_ids, ks.tolist(), self._hold_for(request_ids, ks))
         return ks
 
     def _hold_for(self, request_ids: list[str], ks: np.ndarray) -> int:
-        """Steps a solve's Ks are held: `recheck_every` with speculation off, else twice
-        the last hold if the solve confirmed its Ks (at most `resolve_every_max`), else
-        `resolve_every`."""
-        if not ks.any():
-            return self.s.recheck_every
+        """Steps a solve's Ks are held: with speculation off, twice the last hold if that
+        one was off too (at most `recheck_every_max`: requests joining or leaving keep it
+        growing), else `recheck_every`; else twice the last hold if the solve confirmed
+        its Ks (at most `resolve_every_max`), else `resolve_every`."""
         held = self._held
+        if not ks.any():
+            if held is not None and held.idle:
+                return min(2 * held.every, self.s.recheck_every_max)
+            return self.s.recheck_every
         if held is not None and held.ks == dict(zip(request_ids, ks.tolist())):
             return min(2 * held.every, self.s.resolve_every_max)
         return self.s.resolve_every
@@ -435,9 +455,8 @@ class AdaptivePolicy:
             if any(ks):
                 self._since_probe = 0
             return ks
-        self._since_probe += 1
-        if (self._since_probe < self.probe_interval
-                or self._elapsed_s * self.s.probe_budget < self._probe_cost_s):
+        if not self._probe_due():
+            self._since_probe += 1
             return ks
         self._since_probe = 0
         pending = _resolve(pending)
@@ -454,6 +473,13 @@ class AdaptivePolicy:
                 self._probe_counts[r] = self._probe_counts.get(r, 0) + 1
         self._probed = True
         return [d if i else k for k, d, i in zip(ks, drafts, idle)]
+
+    def _probe_due(self) -> bool:
+        """This step's held requests probe (module docstring): `probe_interval` steps
+        with one held, and the time since the last probe 1 / `probe_budget` times its
+        drafting."""
+        return (self._since_probe + 1 >= self.probe_interval
+                and self._elapsed_s * self.s.probe_budget >= self._probe_cost_s)
 
     def forget(self, request_id: str) -> None:
         self.acceptance.forget(request_id)

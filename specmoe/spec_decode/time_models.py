@@ -63,10 +63,21 @@ class StepTimeModel:
         self._steps: deque[tuple[int, float, float]] = deque(maxlen=window)
         self.min_steps = min_steps
         self.moe = moe
-        self.coef: np.ndarray | None = None
+        self.coef = None
         self._observed = 0
         self._fitted_at = 0  # steps observed at the last fit
         self._floor = 0.0  # least seconds a prediction may give (set by each fit)
+
+    @property
+    def coef(self) -> np.ndarray | None:
+        """The fit's weights, in `_row_features`' order (None before the first fit)."""
+        return self._coef
+
+    @coef.setter
+    def coef(self, value: np.ndarray | None) -> None:
+        self._coef = value
+        # `predict_one` runs every step: numpy scalars' arithmetic is ~10x plain floats'
+        self._coef_floats = None if value is None else value.tolist()
 
     def observe(self, rows: int, seconds: float, unique_frac: float = 0.0) -> None:
         """Record a step (the first fit as soon as `min_steps` are in; later ones when a
@@ -77,8 +88,10 @@ class StepTimeModel:
             self._fit()
 
     def refresh(self) -> None:
-        """Refit if 4 or more steps came in since the last fit."""
-        if self.coef is not None and self._observed - self._fitted_at >= 4:
+        """Refit once an eighth of the window (at least 4 steps) came in since the last
+        fit: a fit costs ~0.3 ms, and a few new steps in a full window hardly move it."""
+        if self.coef is not None and (self._observed - self._fitted_at
+                                      >= max(4, len(self._steps) // 8)):
             self._fit()
 
     def _fit(self) -> None:
@@ -94,12 +107,14 @@ class StepTimeModel:
 
     def predict_one(self, rows: int, unique_frac: float = 0.0) -> float | None:
         """`predict` for one step from the last fit, in plain floats (no refit)."""
-        c = self.coef
-        if c is None:
+        if self.coef is None:
             return None
-        seconds = c[0] + c[1] * min(max(rows - 1.0, 0.0), 1.0) + c[2] * rows + sum(
-            cj * max(0.0, rows - knot) for cj, knot in zip(c[3:], KNOTS))
-        return max(self._floor, float(seconds + (c[-1] * unique_frac if self.moe else 0.0)))
+        c = self._coef_floats
+        seconds = c[0] + c[1] * min(max(rows - 1.0, 0.0), 1.0) + c[2] * rows
+        for cj, knot in zip(c[3:3 + len(KNOTS)], KNOTS):
+            if rows > knot:
+                seconds += cj * (rows - knot)
+        return max(self._floor, seconds + (c[-1] * unique_frac if self.moe else 0.0))
 
     def predict(self, rows, unique_frac=0.0, refit: bool = True, var=None):
         """Seconds at `rows` (a number or an array) and, on a MoE target, the windows'

@@ -179,6 +179,21 @@ def test_step_time_is_never_predicted_as_zero():
     assert m.predict(15) == pytest.approx(0.014)
 
 
+def test_the_step_time_model_refits_once_an_eighth_of_its_window_is_new():
+    """A few new steps in a full window hardly move the fit (each costs ~0.3 ms): a
+    prediction refits after max(4, steps held / 8) new ones."""
+    m = StepTimeModel(window=64, min_steps=8)
+    for rows in [1, 2, 4, 8, 16, 32, 64, 128] * 8:  # 64 steps at 1 ms a row
+        m.observe(rows, 0.001 * rows)
+    m.refresh()
+    fitted = m.predict(16)
+    for _ in range(7):
+        m.observe(16, 0.032)  # twice as slow: 7 of 8 steps needed
+    assert m.predict(16) == fitted
+    m.observe(16, 0.032)
+    assert m.predict(16) > fitted
+
+
 def _calibrated(policy: AdaptivePolicy, c0: float, c1: float) -> None:
     for rows in [1, 2, 4, 8, 16, 32, 64, 128]:
         policy.observe_step(rows, c0 + c1 * rows)
@@ -206,15 +221,38 @@ def test_requests_held_at_zero_are_reprobed():
     assert p.choose(["b"], [8], 1) == {"b": 4}  # at most K_max
 
 
+def test_steps_held_at_zero_are_recorded_one_in_idle_observe_every():
+    """Steps of a batch held at K = 0 repeat one another's rows: one in
+    `idle_observe_every` is recorded (and its error reported), every one still counts
+    towards the probes' time budget; a speculating batch records every step."""
+    p = AdaptivePolicy(AdaptiveSettings(max_k=4, idle_observe_every=4, probe_every=1000))
+    _calibrated(p, 0.0, 0.001)  # compute-bound: held at zero
+    assert p.choose(["a"], [4], 1) == {"a": 0}
+    observed, elapsed = p.step_time._observed, p._elapsed_s
+    errors = [p.observe_step(1, 0.002) for _ in range(8)]
+    assert p.step_time._observed - observed == 2
+    assert [e is not None for e in errors] == [False, False, False, True] * 2
+    assert p._elapsed_s - elapsed == pytest.approx(0.016)
+    q = AdaptivePolicy(AdaptiveSettings(max_k=4, idle_observe_every=4, probe_every=1000))
+    _calibrated(q, 0.010, 0.0)
+    for _ in range(20):
+        q.observe_verified("a", 4, 4)
+    assert q.choose(["a"], [4], 1) == {"a": 4}
+    observed = q.step_time._observed
+    assert all(q.observe_step(5, 0.010) is not None for _ in range(8))
+    assert q.step_time._observed - observed == 8
+
+
 def test_probes_back_off_while_they_find_nothing_and_reset_once_speculation_pays():
     p = AdaptivePolicy(AdaptiveSettings(max_k=4, probe_every=2, probe_every_max=8,
-                                        recheck_every=1))
+                                        recheck_every=1, recheck_every_max=1))
     _calibrated(p, 0.0, 0.001)  # compute-bound
     chosen = [p.choose(["a"], [4], 1)["a"] for _ in range(24)]
     probes = [i + 1 for i, k in enumerate(chosen) if k]
     assert probes == [2, 6, 14, 22]  # intervals 2, 4, 8, then capped at 8
     assert p.probe_interval == 8
-    _calibrated(p, 0.010, 0.0)  # memory-bound now, and the draft is always right
+    for _ in range(8):  # memory-bound now (a quarter of the steps recorded while held at
+        _calibrated(p, 0.010, 0.0)  # K = 0), and the draft is always right
     for _ in range(20):
         p.observe_verified("a", 4, 4)
     assert p.choose(["a"], [4], 1)["a"] == 4
@@ -226,7 +264,8 @@ def test_requests_held_at_zero_probe_on_the_same_step(monkeypatch):
     batch), and while every request stays at K = 0 the choice is re-solved only after a
     probe, when the batch changes or every `recheck_every` steps."""
     import specmoe.spec_decode.adaptive as adaptive
-    p = AdaptivePolicy(AdaptiveSettings(max_k=4, probe_every=4, recheck_every=5))
+    p = AdaptivePolicy(AdaptiveSettings(max_k=4, probe_every=4, recheck_every=5,
+                                        recheck_every_max=5))
     _calibrated(p, 0.0, 0.001)
     solves = []
     real = adaptive.choose_ks
@@ -240,6 +279,26 @@ def test_requests_held_at_zero_probe_on_the_same_step(monkeypatch):
     for _ in range(5):
         p.choose(["a", "b", "c"], [4, 4, 0], 3)
     assert len(solves) == 5  # re-solved once recheck_every steps have passed
+
+
+def test_a_batch_kept_off_is_rechecked_ever_less_often(monkeypatch):
+    """A solve that keeps speculation off after a hold that was off doubles the hold (2,
+    4, 8, then the cap of 8), also where the batch changed (a request joining is still
+    solved for at once)."""
+    import specmoe.spec_decode.adaptive as adaptive
+    p = AdaptivePolicy(AdaptiveSettings(max_k=4, recheck_every=2, recheck_every_max=8,
+                                        probe_every=1000))
+    _calibrated(p, 0.0, 0.001)  # compute-bound: held at zero
+    steps = []
+    real = adaptive.choose_ks
+    monkeypatch.setattr(adaptive, "choose_ks", lambda *a: steps.append(step) or real(*a))
+    for step in range(1, 30):
+        assert p.choose(["a"], [4], 1) == {"a": 0}
+    assert steps == [1, 3, 7, 15, 23]
+    steps.clear()
+    for step in range(1, 10):
+        assert p.choose(["a", "b"], [4, 4], 2) == {"a": 0, "b": 0}
+    assert steps == [1, 9]  # the join, then after the hold of 8
 
 
 def test_a_speculating_batch_is_re_solved_every_few_steps(monkeypatch):
