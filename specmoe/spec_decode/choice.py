@@ -27,7 +27,8 @@ def _drafting_seconds(order: np.ndarray, max_k: int, depths: np.ndarray, lags: n
 
 def choose_ks(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float,
               miss_step: np.ndarray | None = None, draft_rows=None,
-              fills: np.ndarray | None = None) -> tuple[np.ndarray, float]:
+              fills: np.ndarray | None = None, min_gain: float = 0.0
+              ) -> tuple[np.ndarray, float]:
     """The K per request that maximises expected tokens per second (module docstring).
 
     Args:
@@ -54,6 +55,8 @@ def choose_ks(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float,
             gains / fills, their acceptance. The rows then vary from step to step (a
             request fills its first m slots, m at least j with chance fills[j - 1]), and
             their variance goes to `step_s`.
+        min_gain: the least relative gain over no speculation a choice must predict (0: any
+            gain); below it every K is 0.
     Returns:
         (ks [B] int64, the predicted tokens per second).
 
@@ -68,7 +71,8 @@ def choose_ks(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float,
     base_miss = b * miss[0]
     best_rate = b / float(step_s(np.zeros(1), np.full(1, base_miss), None)[0])
     max_depth = min(max_k, int(caps.max(initial=0)))
-    if not _may_pay(gains, caps, b / best_rate, draft_s, max_depth, best_rate):
+    if not _may_pay(gains, caps, b / best_rate, draft_s, max_depth,
+                    best_rate * (1 + min_gain)):
         return np.zeros(b, dtype=np.int64), float(best_rate)
     allowed = (np.arange(max_k)[None, :] < caps[:, None]).reshape(-1)
     order = np.argsort(-(gains / f).reshape(-1), kind="stable")
@@ -85,7 +89,7 @@ def choose_ks(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float,
                 else _drafting_seconds(order, max_k, depths, *draft_rows))
     rate = tokens / (step_s(_prefix_sums(taken * rows), misses, var) + drafting)
     d, n = np.unravel_index(int(np.argmax(rate)), rate.shape)
-    if rate[d, n] <= best_rate or not taken[d, :n].any():
+    if rate[d, n] <= best_rate * (1 + min_gain) or not taken[d, :n].any():
         return np.zeros(b, dtype=np.int64), float(best_rate)
     chosen = order[:n][taken[d, :n]]
     return np.bincount(chosen // max_k, minlength=b), float(rate[d, n])
@@ -110,7 +114,8 @@ def _prefix_sums(x: np.ndarray) -> np.ndarray:
 
 def _may_pay(gains: np.ndarray, caps: np.ndarray, plain_s: float, draft_s: float,
              max_depth: int, plain_rate: float) -> bool:
-    """Whether any draft depth could beat no speculation: at depth D at most every
+    """Whether any draft depth could beat `plain_rate` tokens per second (no speculation's,
+    plus the gain asked for) in a step of `plain_s` seconds: at depth D at most every
     allowed draft up to D is accepted, and the step costs at least the plain step plus D
     draft steps (the step time does not fall with more rows or experts). A cheap bound
     that skips `choose_ks`'s search on the steps where speculation is hopeless."""

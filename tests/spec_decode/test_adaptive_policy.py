@@ -56,6 +56,18 @@ def test_hopeless_speculation_skips_the_search():
     assert len(calls) > 1
 
 
+def test_a_gain_below_min_gain_keeps_speculation_off():
+    """One draft predicted 2.7% faster than none: taken with no margin, refused with the
+    policy's 5% (what the step-time model leaves out costs about that much)."""
+    gains = np.array([[0.5, 0.0, 0.0, 0.0]])
+    step = lambda d, m=None, var=None: 0.010 + 0.0046 * np.asarray(d, float)  # noqa: E731
+    ks, rate = choose_ks(gains, np.array([4]), step, 0.0)
+    assert ks.tolist() == [1] and rate == pytest.approx(1.5 / 0.0146)
+    ks, rate = choose_ks(gains, np.array([4]), step, 0.0, min_gain=0.05)
+    assert ks.tolist() == [0] and rate == pytest.approx(100.0)
+    assert AdaptiveSettings(max_k=4).min_gain == 0.05
+
+
 def test_medium_case_takes_the_best_drafts_first_and_respects_caps():
     gains = np.stack([np.cumprod(np.full(8, 0.95)), np.cumprod(np.full(8, 0.3))])
     step = _linear(0.010, 0.0005, 2)
