@@ -39,11 +39,11 @@ second (the choice in `spec_decode.choice`, the time models in `spec_decode.time
   cost of its own, and the prefix is then a greedy approximation.)
 - A margin: speculation turns on only where predicted `min_gain` faster than none. What
   the step-time model leaves out costs about that much: the policy's own bookkeeping and
-  the proposer's fixed cost per call (~0.5 ms of a 16 ms SmolLM2 step at eight requests),
-  and finishes staggered by speculation (requests then join one by one, their prompts in
-  steps of their own). SmolLM2 with prompt lookup on half code, half translation prompts
-  at eight requests: speculating raised the tokens per second of full decode steps by
-  4% and lowered the whole run's by 2-3%.
+  the proposer's fixed cost per call (0.5-0.7 ms of a 15 ms SmolLM2 step at eight
+  requests), and finishes staggered by speculation (requests then join one by one, their
+  prompts in steps of their own). SmolLM2 with prompt lookup on half code, half
+  translation prompts at eight requests: speculating raised the tokens per second of full
+  decode steps by 1-5% and lowered the whole run's by 2-4%.
 - Hysteresis: the previous step's Ks stay unless the new choice is predicted `hysteresis`
   faster. Re-probing: after `probe_every` steps in which some request is held at K = 0, all
   such requests draft their own K (at most K_max) on the same step: a probe of one token

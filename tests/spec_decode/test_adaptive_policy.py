@@ -293,24 +293,30 @@ def test_requests_held_at_zero_probe_on_the_same_step(monkeypatch):
     assert len(solves) == 5  # re-solved once recheck_every steps have passed
 
 
+def _solved_at(monkeypatch, policy: AdaptivePolicy, batch: list[str], steps: int,
+               expected: dict[str, int] | None = None) -> list[int]:
+    """The steps (1..steps) on which `policy.choose(batch, [4, ...], len(batch))` solved,
+    each choice checked against `expected` where given."""
+    import specmoe.spec_decode.adaptive as adaptive
+    from specmoe.spec_decode.choice import choose_ks as real
+    solved, step = [], 0
+    monkeypatch.setattr(adaptive, "choose_ks", lambda *a: solved.append(step) or real(*a))
+    for step in range(1, steps + 1):
+        chosen = policy.choose(batch, [4] * len(batch), len(batch))
+        assert expected is None or chosen == expected
+    return solved
+
+
 def test_a_batch_kept_off_is_rechecked_ever_less_often(monkeypatch):
     """A solve that keeps speculation off after a hold that was off doubles the hold (2,
     4, 8, then the cap of 8), also where the batch changed (a request joining is still
     solved for at once)."""
-    import specmoe.spec_decode.adaptive as adaptive
     p = AdaptivePolicy(AdaptiveSettings(max_k=4, recheck_every=2, recheck_every_max=8,
                                         probe_every=1000))
     _calibrated(p, 0.0, 0.001)  # compute-bound: held at zero
-    steps = []
-    real = adaptive.choose_ks
-    monkeypatch.setattr(adaptive, "choose_ks", lambda *a: steps.append(step) or real(*a))
-    for step in range(1, 30):
-        assert p.choose(["a"], [4], 1) == {"a": 0}
-    assert steps == [1, 3, 7, 15, 23]
-    steps.clear()
-    for step in range(1, 10):
-        assert p.choose(["a", "b"], [4, 4], 2) == {"a": 0, "b": 0}
-    assert steps == [1, 9]  # the join, then after the hold of 8
+    assert _solved_at(monkeypatch, p, ["a"], 29, {"a": 0}) == [1, 3, 7, 15, 23]
+    # the join, then after the hold of 8
+    assert _solved_at(monkeypatch, p, ["a", "b"], 9, {"a": 0, "b": 0}) == [1, 9]
 
 
 def test_a_speculating_batch_is_re_solved_every_few_steps(monkeypatch):
@@ -334,22 +340,13 @@ def test_a_speculating_batch_is_re_solved_every_few_steps(monkeypatch):
 def test_a_confirmed_choice_is_held_longer(monkeypatch):
     """A solve that returns the Ks it held doubles the hold (3, 6, 12, then the cap of
     12); a new batch restarts it."""
-    import specmoe.spec_decode.adaptive as adaptive
     p = AdaptivePolicy(AdaptiveSettings(max_k=4, resolve_every=3, resolve_every_max=12,
                                         probe_every=1000))
     _calibrated(p, 0.010, 0.0)
     for _ in range(20):
         p.observe_verified("a", 4, 4)
-    steps = []
-    real = adaptive.choose_ks
-    monkeypatch.setattr(adaptive, "choose_ks", lambda *a: steps.append(step) or real(*a))
-    for step in range(1, 40):
-        assert p.choose(["a"], [4], 1) == {"a": 4}
-    assert steps == [1, 4, 10, 22, 34]
-    steps.clear()
-    for step in range(1, 5):
-        p.choose(["a", "b"], [4, 4], 2)
-    assert steps == [1, 4]
+    assert _solved_at(monkeypatch, p, ["a"], 39, {"a": 4}) == [1, 4, 10, 22, 34]
+    assert _solved_at(monkeypatch, p, ["a", "b"], 4) == [1, 4]
 
 
 def test_a_probe_with_known_catch_ups_takes_the_cheapest_within_its_budget():
