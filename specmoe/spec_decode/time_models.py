@@ -76,7 +76,7 @@ class StepTimeModel:
     @coef.setter
     def coef(self, value: np.ndarray | None) -> None:
         self._coef = value
-        # `predict_one` runs every step: numpy scalars' arithmetic is ~10x plain floats'
+        # `predict_one` runs every step, and numpy scalars' arithmetic is slower than floats'
         self._coef_floats = None if value is None else value.tolist()
 
     def observe(self, rows: int, seconds: float, unique_frac: float = 0.0) -> None:
