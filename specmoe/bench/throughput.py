@@ -27,14 +27,14 @@ import time
 from dataclasses import dataclass, field
 
 from specmoe.bench.throughput_floor import MatmulCounts, run_floor_seconds
-from specmoe.bench.throughput_stats import aggregate, ratios, slowest_steps, target_line
+from specmoe.bench.throughput_stats import (AA_MODE, aggregate, ratios, slowest_steps,
+                                            target_line)
 from specmoe.config import ArchConfig, ExpertParallelConfig
 from specmoe.engine.kv_cache_manager import blocks_for_requests
 from specmoe.bench import throughput_ep
 from specmoe.loader.aliases import DEFAULT_MODEL
 from specmoe.utils.data import DATASETS, load_prompts
 
-MODES = ("plain", "spec")
 INTERLEAVE = ("wave", "run")  # how the modes alternate within a repetition
 ARRIVALS = ("waves", "closed")  # how a run at C < num_requests submits its requests
 SPEC_BENCH_CATEGORIES = ["summarization", "rag", "translation", "qa", "math_reasoning"]
@@ -57,6 +57,11 @@ class ThroughputBenchConfig:
             `draft_cost` "rows"); empty: the one mode "spec" (static
             num_speculative_tokens with spec_disable_by_batch_size).
         batch_size_table: the "table" policy's ranges, vLLM style ({"1-4": 4, ...}).
+        aa_control: also run AA_MODE, a second engine without speculation over the same
+            target, interleaved like the others: its tokens/s over plain's is the A/A
+            control, the band within which two identical engines disagree in this run, the
+            noise floor of every ratio to plain (two plain SmolLM2 engines read 0.96-1.05x
+            each other in single closed-loop runs of 16 requests).
         spec_bench_categories: the Spec-Bench tasks prompts are drawn from.
         expert_parallel_size: processes a MoE target's experts are sharded over (1: none).
         expert_parallel_dispatch, expert_placement, expert_parallel_timeout_s: the
@@ -105,6 +110,7 @@ class ThroughputBenchConfig:
     seed: int = 0
     policies: list[str] = field(default_factory=list)
     batch_size_table: dict | None = None
+    aa_control: bool = False
     spec_bench_categories: list[str] = field(default_factory=lambda: list(
         SPEC_BENCH_CATEGORIES))
     expert_parallel_size: int = 1
@@ -140,9 +146,10 @@ class ThroughputBenchConfig:
 
     @property
     def modes(self) -> list[str]:
+        plain = ["plain", AA_MODE] if self.aa_control else ["plain"]
         if self.draft == "none":
-            return ["plain"]
-        return ["plain", *self.policies] if self.policies else list(MODES)
+            return plain
+        return [*plain, *self.policies] if self.policies else [*plain, "spec"]
 
 
 def policy_speculative(policy: str, k_max: int, table: dict | None) -> dict:
@@ -272,10 +279,13 @@ def add_speculative_engines(cfg: ThroughputBenchConfig, engines: dict,
                             num_kv_blocks: int | None) -> None:
     """engines["spec"] (or one engine per policy) over the plain engine's target; a draft
     model is loaded once and shared by all of them, each with KV caches of `num_kv_blocks`
-    blocks (None: as the plain engine's)."""
+    blocks (None: as the plain engine's); with `aa_control`, engines[AA_MODE] as well, a
+    second engine without speculation sized as the plain one."""
+    plain = engines["plain"]
+    if cfg.aa_control:
+        engines[AA_MODE] = plain.with_speculative(None)
     if cfg.draft == "none":
         return
-    plain = engines["plain"]
     spec = {"method": "ngram"} if cfg.draft == "ngram" else {
         "method": "draft", "draft_model": cfg.draft,
         "draft_quantization": cfg.draft_quantization}

@@ -218,7 +218,23 @@ def _policy_table(by_mode: dict, rows: dict, targets: dict | None) -> list[str]:
                 + ", ".join(f"C={c} {v['vs_best_static']:.2f}x ({v['best_static']})"
                             for c, v in t["per_concurrency"].items()
                             if v["vs_best_static"] is not None) + "."]
+        out += _aa_line(t)
     return out
+
+
+def _aa_line(targets: dict) -> list[str]:
+    """The A/A control's band per C and the misses of 0.97x plain inside it (none without
+    the control)."""
+    bands = {c: v["aa"] for c, v in targets["per_concurrency"].items() if v.get("aa")
+             and v["aa"]["min"] is not None}
+    if not bands:
+        return []
+    within = targets.get("misses_within_aa") or []
+    return ["", "A/A control (a second engine without speculation over plain, min-max of "
+            "the repetitions): " + ", ".join(f"C={c} {b['min']:.2f}-{b['max']:.2f}x"
+                                             for c, b in bands.items())
+            + ". Adaptive's misses of 0.97x plain within that band: "
+            + (", ".join(f"C={c}" for c in within) if within else "none") + "."]
 
 
 def engine_table(rows: list[dict]) -> list[str]:

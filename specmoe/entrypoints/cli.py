@@ -169,6 +169,9 @@ def add_bench_throughput_parser(bench) -> None:
     tp.add_argument("--speculative-batch-size-table", type=json_dict, default=None,
                     help="the table policy's ranges, e.g. '{\"1-4\": 4, \"5-16\": 2, "
                          "\"17-4096\": 0}'")
+    tp.add_argument("--aa-control", action="store_true",
+                    help="also run 'plain2', a second engine without speculation: its "
+                         "tokens/s over plain's is the run's noise band (an A/A control)")
     tp.add_argument("--spec-bench-categories", type=comma_list(),
                     default=",".join(d.spec_bench_categories),
                     help="Spec-Bench tasks to draw prompts from (default: %(default)s); "
@@ -329,7 +332,7 @@ def cmd_bench_throughput(args) -> int:
         datasets=args.datasets, num_requests=args.num_requests,
         max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
         num_threads=args.threads, policies=args.speculative_policy,
-        batch_size_table=args.speculative_batch_size_table,
+        batch_size_table=args.speculative_batch_size_table, aa_control=args.aa_control,
         spec_bench_categories=args.spec_bench_categories,
         expert_parallel_size=args.expert_parallel_size,
         expert_parallel_dispatch=args.expert_parallel_dispatch,

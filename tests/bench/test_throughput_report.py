@@ -250,6 +250,33 @@ def test_policy_modes_are_compared_with_plain_and_the_best_static_k():
     assert ratios(runs)["policy_targets"]["met"] is False
 
 
+def test_the_aa_control_bounds_what_a_run_can_tell_from_noise():
+    """A second plain engine ("plain2") reads 0.95-1.02x plain: adaptive's 0.96x at C=16
+    misses 0.97x but lies inside that band; its 0.90x after a slower repetition does not."""
+    runs = _policy_runs()
+    for rep, f in ((0, 1.0), (1, 0.5)):
+        runs += [_run(rep, 1, "plain2", 10.2 * f), _run(rep, 16, "plain2", 66.5 * f)]
+    for r in runs:
+        if r["concurrency"] == 16 and r["mode"] == "adaptive":
+            r["tokens_per_s"] = 0.96 * 70 * (1.0 if r["rep"] == 0 else 0.5)
+    t = ratios(runs)["policy_targets"]
+    assert t["per_concurrency"]["16"]["best_static"] == "static:1"  # plain2 is no static K
+    assert t["per_concurrency"]["16"]["aa"]["min"] == pytest.approx(0.95)
+    assert t["per_concurrency"]["1"]["aa"]["median"] == pytest.approx(1.02)
+    assert t["met"] is False and t["misses_within_aa"] == ["16"]
+    md = markdown(_results(runs) | {"rows": aggregate(runs), "ratios": ratios(runs)})
+    assert ("A/A control (a second engine without speculation over plain, min-max of the "
+            "repetitions): C=1 1.02-1.02x, C=16 0.95-0.95x. Adaptive's misses of 0.97x "
+            "plain within that band: C=16.") in md
+    slow = next(r for r in runs if (r["rep"], r["concurrency"], r["mode"]) == (1, 16, "adaptive"))
+    slow["tokens_per_s"] = 0.85 * 35  # median over the repetitions now 0.905x
+    assert ratios(runs)["policy_targets"]["misses_within_aa"] == []
+    assert "policy_targets" in ratios(_policy_runs())
+    assert ratios(_policy_runs())["policy_targets"]["misses_within_aa"] == []
+    assert "A/A control" not in markdown(_results(_policy_runs()) | {
+        "rows": aggregate(_policy_runs()), "ratios": ratios(_policy_runs())})
+
+
 def test_full_occupancy_rate_leaves_out_the_drain():
     """Plain's requests of one length finish together; the speculative run's drain ends
     on one request (a 0.1 s step emitting 1 token): over whole runs it reads below plain,
@@ -281,6 +308,10 @@ def test_policy_config():
     cfg = ThroughputBenchConfig(policies=["static:2", "adaptive", "table"],
                                 batch_size_table={"1-4": 4, "5-64": 0})
     assert cfg.modes == ["plain", "static:2", "adaptive", "table"]
+    assert ThroughputBenchConfig(policies=["adaptive"], aa_control=True).modes == [
+        "plain", "plain2", "adaptive"]
+    assert ThroughputBenchConfig(aa_control=True).modes == ["plain", "plain2", "spec"]
+    assert ThroughputBenchConfig(draft="none", aa_control=True).modes == ["plain", "plain2"]
     assert policy_speculative("adaptive", 8, None) == {
         "policy": "adaptive", "num_speculative_tokens": 8, "draft_cost": "per_depth"}
     assert policy_speculative("adaptive:rows", 8, None)["draft_cost"] == "rows"

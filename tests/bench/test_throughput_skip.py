@@ -44,6 +44,18 @@ def test_too_long_prompts_are_skipped_and_counted_and_every_run_succeeds(tmp_pat
 
 
 @pytest.mark.slow
+def test_the_aa_control_runs_a_second_plain_engine_alongside(tmp_path):
+    rc = main([*SMALL_RUN, "--aa-control", "--concurrency", "1", "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert rc == 0 and [(r["mode"], r.get("error")) for r in results["runs"]] == [
+        ("plain", None), ("plain2", None)]
+    plain, aa = results["runs"]
+    assert aa["num_output_tokens"] == plain["num_output_tokens"] == 4 * 8
+    assert aa["engine_stats"]["spec_decode"]["num_draft_tokens"] == 0
+    assert "| 1 | plain2 |" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:No artists with labels")  # the plot of no successful run
 def test_failed_runs_exit_non_zero(tmp_path, monkeypatch, capsys):
     def fail(*args, **kwargs):
