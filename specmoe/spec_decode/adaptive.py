@@ -26,13 +26,7 @@ second (the choice in `spec_decode.choice`, the time models in `spec_decode.time
   the adjacent-token overlap measured live on sampled steps), since a memory-bound MoE layer
   reads each touched expert once, so K drafts of one request cost about the experts they
   add, not K rows. Drafting costs d x depth (the deepest request's K: a draft model runs
-  the batch that many times), d the mean seconds per depth of the recent drafting calls,
-  leaving out those over `draft_outlier` times their median: a draft model's first call
-  for a request runs its whole prompt (0.23-1.8 s against 40-44 ms for 4 tokens of the
-  int4 Qwen2.5-Coder-0.5B at one request), a cost paid once per request by every policy
-  that drafts for it, static K too; averaged in, one 693-token prompt raised d from 14 to
-  45 ms, and speculation stayed off for the rest of the run where static K = 4 ran faster
-  than plain. The shorter catch-ups of requests resuming after a hold stay in. Or, with
+  the batch that many times), d the measured drafting seconds per depth, averaged; or, with
   `draft_rows_model`, the draft's forwards priced by their rows (`DraftTimeModel`): the
   first forward runs every drafting request's catch-up (the tokens its draft cache lacks),
   each later one the requests still drafting. A request that did not draft on the previous
@@ -101,7 +95,6 @@ second (the choice in `spec_decode.choice`, the time models in `spec_decode.time
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Union
 
@@ -147,7 +140,6 @@ class AdaptiveSettings:
     window: int = 256
     min_fit_steps: int = 8
     draft_rows_model: bool = False  # price drafting by its forwards' rows (DraftTimeModel)
-    draft_outlier: float = 3.0  # drafting calls over this x the median: prompts' catch-ups
     catch_up_horizon: int = 16  # steps a resuming request's catch-up is spread over
     probe_catch_up_rows: int = 128  # catch-up tokens one probe may run through the draft
     probe_drafts: int = 16  # draft slots one probe may add to the target's step
@@ -278,8 +270,8 @@ class AdaptivePolicy:
                                        settings.is_moe)
         self.overlap = settings.overlap_prior
         self._overlap_obs = 0
-        self._per_depth: deque[float] = deque(maxlen=settings.window)  # calls' s / depth
-        self._draft_s: float | None = None
+        self.draft_s = 0.0
+        self._draft_obs = 0
         self.draft_time = DraftTimeModel(settings.window, settings.min_fit_steps)
         self._previous: dict[str, int] = {}
         self._since_probe = 0  # steps with a request held at K = 0 since the last probe
@@ -339,27 +331,18 @@ class AdaptivePolicy:
                       forward_rows: list[float] | None = None) -> None:
         """A drafting call of `depth` tokens per request that took `seconds`, the draft
         model's catch-up on context it had not seen included (`forward_rows`: its
-        forwards' rows, `call_rows`, for `draft_rows_model`); without the rows model it
-        goes to `draft_s`."""
+        forwards' rows, `call_rows`, for `draft_rows_model`). Without the rows model the
+        catch-ups are averaged into the cost per depth: a cost from steady calls alone
+        would underprice resuming (it turns speculation back on where the catch-ups then
+        outweigh the gain)."""
         if depth > 0:
-            self._per_depth.append(seconds / depth)
-            self._draft_s = None
+            self._draft_obs += 1
+            self.draft_s = _running_mean(self.draft_s, self._draft_obs, seconds / depth)
         self._elapsed_s += seconds
         if self._probed:
             self._probe_cost_s = seconds
         if forward_rows:
             self.draft_time.observe(forward_rows, seconds)
-
-    @property
-    def draft_s(self) -> float:
-        """Seconds per draft depth (0 before any call): the mean of the recent drafting
-        calls' seconds per depth, leaving out those over `draft_outlier` times their median
-        (module docstring). Computed when a solve asks, not on every call."""
-        if self._draft_s is None:
-            v = np.fromiter(self._per_depth, dtype=float)
-            self._draft_s = (float(v[v <= self.s.draft_outlier * np.median(v)].mean())
-                             if len(v) else 0.0)
-        return self._draft_s
 
     def choose(self, request_ids: list[str], caps: list[int], base_rows: int,
                pending: Pending = None) -> dict[str, int]:

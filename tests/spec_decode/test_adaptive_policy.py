@@ -518,21 +518,15 @@ def _rows_policy(pending_history):
 
 
 def test_catch_ups_do_not_price_steady_drafting():
-    """Calls that caught up 500-token prompts would make the per-depth mean 39 ms a draft,
-    more than a step, and keep speculation off: the per-depth price leaves them out as
-    outliers, the rows model prices them by their rows; either way a caught-up request
-    drafts. Where most calls catch up, that is the price."""
+    """Probes that caught up 500 tokens made the per-depth mean 35 ms a draft, more than
+    a step, so speculation stayed off; priced by rows, a caught-up request drafts."""
     history = [2, 2, 2, 500, 2, 2, 500, 500]
     per_depth = _rows_policy(history)
     per_depth.s = AdaptiveSettings(**{**per_depth.s.__dict__, "draft_rows_model": False})
-    assert per_depth.draft_s == pytest.approx(_draft_forward(2))
-    assert per_depth.choose(["a"], [4], 1)["a"] > 0
+    assert per_depth.draft_s > 0.020
+    assert per_depth.choose(["a"], [4], 1)["a"] == 0
     rows = _rows_policy(history)
     assert rows.choose(["a"], [4], 1, pending=[2])["a"] > 0
-    mostly = _rows_policy([2, 500, 500, 500])
-    mostly.s = per_depth.s
-    assert mostly.draft_s == pytest.approx((_draft_forward(2) + 3 * _draft_forward(500)) / 4)
-    assert mostly.choose(["a"], [4], 1)["a"] == 0
 
 
 def test_a_resuming_catch_up_is_spread_over_the_horizon():
