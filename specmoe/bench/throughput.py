@@ -60,8 +60,8 @@ class ThroughputBenchConfig:
         aa_control: also run AA_MODE, a second engine without speculation over the same
             target, interleaved like the others: its tokens/s over plain's is the A/A
             control, the band within which two identical engines disagree in this run, the
-            noise floor of every ratio to plain (two plain SmolLM2 engines read 0.96-1.05x
-            each other in single closed-loop runs of 16 requests).
+            noise floor of every ratio to plain (two plain tiny-moe engines read
+            0.96-1.05x each other, medians over 8 repetitions at 1 and 16 requests).
         spec_bench_categories: the Spec-Bench tasks prompts are drawn from.
         expert_parallel_size: processes a MoE target's experts are sharded over (1: none).
         expert_parallel_dispatch, expert_placement, expert_parallel_timeout_s: the

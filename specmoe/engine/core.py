@@ -147,14 +147,14 @@ class EngineCore:
                 raise RuntimeError("no request could be scheduled; the KV cache is too small")
             return []
         self._failed = []
+        windows = [len(s.token_ids) for s in out.scheduled]
         sampled_routing = self.routing_sampler is not None and self.routing_sampler.begin(
-            max(len(s.token_ids) for s in out.scheduled))
+            max(windows), sum(windows))
         t0 = time.perf_counter()
         try:
             logits = self._forward(out.scheduled)
         finally:
-            overlap = self.routing_sampler.end(
-                [len(s.token_ids) for s in out.scheduled]) if sampled_routing else None
+            overlap = self.routing_sampler.end(windows) if sampled_routing else None
         sampled = [s for s in out.scheduled if s.request_id in logits]
         reqs = [self.scheduler.requests[s.request_id] for s in sampled]
         num_rejected, num_accepted, num_emitted = self._verify(

@@ -73,15 +73,17 @@ def test_rows_priced_drafting_fits_the_draft_forwards_and_stays_lossless():
     assert model.forward_s(1.0) > 0
 
 
-def test_routing_is_sampled_only_on_steps_with_adjacent_tokens():
-    """A step of single-token decodes has no adjacent pair to measure: it is neither
-    sampled (it stays on the fused driver) nor counted towards `every`."""
+def test_routing_is_sampled_only_on_small_steps_with_adjacent_tokens():
+    """A step of single-token decodes has no adjacent pair to measure, and a large prompt
+    chunk would run its many rows off the fused driver: neither is sampled (it stays on
+    the fused driver) nor counted towards `every`."""
     from specmoe.spec_decode.routing_overlap import RoutingSampler
     model = LLM("tiny-moe", dtype="float32").target.model
-    sampler = RoutingSampler(model, every=2)
-    assert [sampler.begin(1) for _ in range(5)] == [False] * 5
-    assert sampler.begin(3) is False
+    sampler = RoutingSampler(model, every=2, max_rows=64)
+    assert [sampler.begin(1, 16) for _ in range(5)] == [False] * 5
+    assert [sampler.begin(512, 512) for _ in range(3)] == [False] * 3
+    assert sampler.begin(3, 40) is False
     assert all(type(b.stats) is NullExpertStats for b in moe_blocks(model))
-    assert sampler.begin(2) is True  # the second multi-row step
+    assert sampler.begin(2, 64) is True  # the second small multi-row step
     assert sampler.end([2]) is None  # no forward ran in between: nothing recorded
     assert all(type(b.stats) is NullExpertStats for b in moe_blocks(model))
