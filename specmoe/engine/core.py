@@ -161,7 +161,7 @@ class EngineCore:
             sampled, reqs, [logits[s.request_id] for s in sampled])
         self.step_observer.on_step_verified(out.scheduled, self.scheduler.requests, num_accepted)
         verify_time = time.perf_counter() - t0
-        self._observe_policy(sampled, num_accepted, out.scheduled, verify_time, overlap,
+        self._observe_policy(sampled, num_accepted, windows, verify_time, overlap,
                              timed=not sampled_routing)
         verified = [req for s, req in zip(sampled, reqs) if s.num_draft_tokens]
         for req in verified:
@@ -309,10 +309,11 @@ class EngineCore:
         return [pending(req.request_id, req.num_tokens) for req in reqs]
 
     def _observe_policy(self, sampled: list[ScheduledRequest], num_accepted: dict[str, int],
-                        scheduled: list[ScheduledRequest], seconds: float,
+                        windows: list[int], seconds: float,
                         overlap: float | None, timed: bool) -> None:
         """Feed the adaptive policy what the step verified, its routing overlap (a sampled
-        MoE step) and, unless that step ran off the fused path, its time."""
+        MoE step) and, unless that step ran off the fused path, its time (`windows`: the
+        rows each scheduled request computed)."""
         if self.policy is None:
             return
         for s in sampled:
@@ -323,7 +324,6 @@ class EngineCore:
             self.policy.observe_overlap(overlap)
         if not timed:
             return
-        windows = [len(s.token_ids) for s in scheduled]
         error = self.policy.observe_step(sum(windows), seconds, windows)
         if error is not None:
             self.stats.record_step_time_error(error)
