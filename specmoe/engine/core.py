@@ -161,8 +161,10 @@ class EngineCore:
             sampled, reqs, [logits[s.request_id] for s in sampled])
         self.step_observer.on_step_verified(out.scheduled, self.scheduler.requests, num_accepted)
         verify_time = time.perf_counter() - t0
-        self._observe_policy(sampled, num_accepted, windows, verify_time, overlap,
-                             timed=not sampled_routing)
+        leased = self.policy is not None and self._leased_step(reqs, windows, verify_time)
+        if not leased:
+            self._observe_policy(sampled, num_accepted, windows, verify_time, overlap,
+                                 timed=not sampled_routing)
         verified = [req for s, req in zip(sampled, reqs) if s.num_draft_tokens]
         for req in verified:
             req.spec_stats.verify_time_s += verify_time
@@ -176,10 +178,17 @@ class EngineCore:
             req.metrics.decode_time_s = (time.perf_counter() - req.metrics.arrival_time
                                          - req.metrics.first_token_time_s)
         live = [req for req in reqs if not req.is_finished]
+        if leased:  # every request held at K = 0 again, the policy not consulted
+            self.stats.num_spec_paused_steps += 1
+            self.stats.record_draft_ks((0,), len(live))
+            self.stats.record_step(out.stats)
+            return finished + self._failed
         cap = self._draft_cap()
         ks = self._draft_ks(live, cap)
         if cap == 0 or (live and self.policy is not None and not any(ks.values())):
             self.stats.num_spec_paused_steps += 1
+            if cap is None:
+                self.policy.grant_lease([req.request_id for req in live])
         if self.proposer is not None:
             self.stats.record_draft_ks(ks.values())
         if any(ks.values()):
@@ -299,6 +308,23 @@ class EngineCore:
             return own
         return self.policy.choose(list(own), list(own.values()), len(live),
                                   lambda: self._pending_tokens(live))
+
+    def _leased_step(self, reqs: list[Request], windows: list[int], seconds: float) -> bool:
+        """Whether this step is one the adaptive policy leased (`IdleLease`): every
+        scheduled request decoded one token, none finished or failed, and they are the
+        leased ones. The lease is checked (and ended where it does not hold) only while
+        the policy has one."""
+        if self.policy.lease is None:
+            return False
+        steady = (not self._failed and len(windows) == len(reqs) == sum(windows)
+                  and not any(req.is_finished for req in reqs))
+        if self.policy.leased_step([req.request_id for req in reqs] if steady else None,
+                                   seconds):
+            return True
+        error = self.policy.end_lease()
+        if error is not None:
+            self.stats.record_step_time_error(error)
+        return False
 
     def _pending_tokens(self, reqs: list[Request]) -> list[int] | None:
         """Per request, the tokens the draft model's cache lacks (its catch-up), where an

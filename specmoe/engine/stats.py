@@ -86,9 +86,10 @@ class EngineStats:
         self.step_time_errors.append(error)
         self.num_step_time_predictions += 1
 
-    def record_draft_ks(self, ks) -> None:
+    def record_draft_ks(self, ks, times: int = 1) -> None:
+        """Count each K in `ks` (`times` over) in `draft_k_histogram`."""
         for k in ks:
-            self.draft_k_histogram[k] = self.draft_k_histogram.get(k, 0) + 1
+            self.draft_k_histogram[k] = self.draft_k_histogram.get(k, 0) + times
 
     def record_step(self, step: StepStats) -> None:
         """Add one step's counters."""

@@ -119,6 +119,20 @@ class _Held:
         return self.steps < self.every and all(r in self.ks for r in batch)
 
 
+class IdleLease:
+    """Steps ahead on which, while the same requests decode one token each, `choose` is sure
+    to hold every request at K = 0 without solving or probing (`AdaptivePolicy.grant_lease`):
+    the engine skips the policy on them (`AdaptivePolicy.leased_step`), and the counts
+    `choose` and `observe_step` keep are handed over in one go when the lease ends
+    (`AdaptivePolicy.end_lease`). On tiny-moe, whose steps take ~0.6 ms at one request,
+    the policy's per-step calls cost 15 us a step, 3% of a run held at K = 0; leased, 3 us."""
+
+    __slots__ = ("request_ids", "left", "steps", "seconds")
+
+    def __init__(self, request_ids: list[str], steps: int) -> None:
+        self.request_ids, self.left, self.steps, self.seconds = request_ids, steps, 0, 0.0
+
+
 @dataclass(frozen=True)
 class AdaptiveSettings:
     """max_k: the largest K any request may draft; the rest: see the module docstring
@@ -284,6 +298,7 @@ class AdaptivePolicy:
         self._miss_cache: tuple[float, np.ndarray, list[float]] | None = None
         self._held: _Held | None = None  # the last solve's choice while its batch runs
         self._idle_steps = 0  # steps observed while held at K = 0
+        self.lease: IdleLease | None = None
 
     def observe_verified(self, request_id: str, drafted: int, accepted: int) -> None:
         self.acceptance.observe(request_id, drafted, accepted)
@@ -370,6 +385,49 @@ class AdaptivePolicy:
         ks = self._solve(request_ids, caps_a, base_rows, pending)
         self._back_off(bool(ks.any()))
         return self._keep(request_ids, ks.tolist(), caps, pending)
+
+    def grant_lease(self, request_ids: list[str]) -> None:
+        """After a `choose` that held every request in `request_ids` at K = 0: lease the
+        steps on which, with the same requests, it would again, if any (`IdleLease`): those
+        before the held choice expires or a probe is due (a probe also waits on its time
+        budget, so it comes no earlier)."""
+        held = self._held
+        if held is None or not held.idle or self._probed:
+            return
+        steps = min(held.every - held.steps, self.probe_interval - self._since_probe - 1)
+        if steps > 0:
+            self.lease = IdleLease(request_ids, steps)
+
+    def leased_step(self, request_ids: list[str] | None, seconds: float) -> bool:
+        """Whether the step just run, whose requests decoded one token each and go on
+        (`request_ids`, in the lease's order; None: any other step), is a leased one: then
+        it is counted (`seconds`: its forward's) and the engine skips `observe_step` and
+        `choose`. Otherwise the caller ends the lease (`end_lease`) and the step takes the
+        usual path."""
+        lease = self.lease
+        if lease is None or not lease.left or request_ids != lease.request_ids:
+            return False
+        lease.left, lease.steps = lease.left - 1, lease.steps + 1
+        lease.seconds += seconds
+        return True
+
+    def end_lease(self) -> float | None:
+        """End the lease, if any, handing over its steps: the counts `choose` and
+        `observe_step` would have kept, and one step timing at their mean (the steps
+        repeat one another's rows). Returns the time model's relative error on that mean,
+        as `observe_step` does (None: no lease, or no step leased)."""
+        lease, self.lease = self.lease, None
+        if lease is None or not lease.steps:
+            return None
+        self._held.steps += lease.steps
+        self._since_probe += lease.steps
+        self._idle_steps += lease.steps
+        self._elapsed_s += lease.seconds
+        rows, mean = len(lease.request_ids), lease.seconds / lease.steps
+        frac = self.unique_fraction([1] * rows)
+        predicted = self.step_time.predict_one(rows, frac)
+        self.step_time.observe(rows, mean, frac)
+        return None if predicted is None else abs(predicted - mean) / mean
 
     def _back_off(self, speculating: bool) -> None:
         """Double the probe interval when the solve after a probe keeps every request at

@@ -87,3 +87,34 @@ def test_routing_is_sampled_only_on_small_steps_with_adjacent_tokens():
     assert sampler.begin(2, 64) is True  # the second small multi-row step
     assert sampler.end([2]) is None  # no forward ran in between: nothing recorded
     assert all(type(b.stats) is NullExpertStats for b in moe_blocks(model))
+
+
+def test_idle_leases_skip_the_policy_and_keep_outputs_and_counts():
+    """With speculation held off (a poor draft on tiny-moe, no probes), most steps are
+    leased (`AdaptivePolicy.grant_lease`): the policy is not consulted, yet the K histogram
+    still counts every (request, step) that could draft, and outputs stay plain."""
+    plain = LLM("tiny-moe", dtype="float32")
+    spec = plain.with_speculative({"method": "draft", "draft_model": "tiny-moe-draft",
+                                   "num_speculative_tokens": 4, "policy": "adaptive"})
+    core, policy = spec.engine, spec.engine.policy
+    policy.probe_interval = 10**9
+    leased, live = [], []
+    leased_step, verify = policy.leased_step, core._verify
+
+    def counted_lease(*args):
+        leased.append(leased_step(*args))
+        return leased[-1]
+
+    def counted_verify(sampled, reqs, logits):
+        result = verify(sampled, reqs, logits)
+        live.append(sum(not r.is_finished for r in reqs))
+        return result
+
+    policy.leased_step, core._verify = counted_lease, counted_verify
+    prompts = [[5 + i, 17, 42, 99, 7 + i] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in spec.generate(prompts, params)] == expected
+    assert sum(leased) > len(live) // 2
+    hist = core.stats.draft_k_histogram
+    assert sum(hist.values()) == sum(live) and hist[0] > sum(live) // 2

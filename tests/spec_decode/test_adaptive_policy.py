@@ -293,6 +293,59 @@ def test_requests_held_at_zero_probe_on_the_same_step(monkeypatch):
     assert len(solves) == 5  # re-solved once recheck_every steps have passed
 
 
+def _engine_steps(policy: AdaptivePolicy, batches: list[list[str]], lease: bool,
+                  seconds: float = 0.001) -> tuple[list[dict[str, int]], int]:
+    """The Ks chosen for each step's batch by a policy driven as `EngineCore.step` drives it
+    (a forward of one row per request, then the choice; `lease`: with its idle leases), and
+    the number of leased steps."""
+    chosen, leased = [], 0
+    for batch in batches:
+        if lease and policy.leased_step(batch, seconds * len(batch)):
+            chosen.append(dict.fromkeys(batch, 0))
+            leased += 1
+            continue
+        policy.end_lease()
+        policy.observe_step(len(batch), seconds * len(batch))
+        ks = policy.choose(batch, [4] * len(batch), len(batch))
+        if lease and not any(ks.values()):
+            policy.grant_lease(batch)
+        chosen.append(ks)
+    return chosen, leased
+
+
+def test_idle_leases_choose_what_choose_would_on_every_step():
+    """Leased steps skip `choose` and `observe_step`, yet probes, re-solves and rechecks
+    come on the same steps as without leases (the counts handed over when a lease ends),
+    across a request joining and leaving."""
+    batches = [["a"]] * 30 + [["a", "b"]] * 45 + [["b"]] * 30
+    runs = []
+    for lease in (False, True):
+        p = AdaptivePolicy(AdaptiveSettings(max_k=4, probe_every=4, probe_every_max=16,
+                                            recheck_every=3, recheck_every_max=12))
+        _calibrated(p, 0.0, 0.001)  # compute-bound: held at zero but for the probes
+        chosen, leased = _engine_steps(p, batches, lease)
+        assert (leased > len(batches) // 2) == lease
+        p.end_lease()  # a lease still running
+        runs.append((chosen, p._since_probe, p.probe_interval, p._elapsed_s))
+    assert runs[0][0] == runs[1][0]
+    assert sum(any(ks.values()) for ks in runs[0][0]) >= 5  # probes came, on the same steps
+    assert runs[0][1:] == pytest.approx(runs[1][1:])
+
+
+def test_an_ended_lease_records_one_timing_at_its_mean():
+    p = AdaptivePolicy(AdaptiveSettings(max_k=4, probe_every=1000))
+    _calibrated(p, 0.0, 0.001)
+    assert p.choose(["a"], [4], 1) == {"a": 0}
+    p.grant_lease(["a"])
+    assert p.lease is not None and p.lease.left > 3
+    observed = p.step_time._observed
+    assert all(p.leased_step(["a"], t) for t in (0.001, 0.002, 0.003))
+    assert not p.leased_step(["a", "b"], 0.001) and p.lease is not None
+    assert p.end_lease() == pytest.approx(0.5)  # predicted 1 ms, ran 2 ms on average
+    assert p.step_time._observed == observed + 1 and p.step_time._steps[-1][1] == 0.002
+    assert p.lease is None and p.end_lease() is None
+
+
 def _solved_at(monkeypatch, policy: AdaptivePolicy, batch: list[str], steps: int,
                expected: dict[str, int] | None = None) -> list[int]:
     """The steps (1..steps) on which `policy.choose(batch, [4, ...], len(batch))` solved,
