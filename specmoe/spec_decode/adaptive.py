@@ -127,10 +127,13 @@ class IdleLease:
     (`AdaptivePolicy.end_lease`). On tiny-moe, whose steps take ~0.6 ms at one request,
     the policy's per-step calls cost 15 us a step, 3% of a run held at K = 0; leased, 3 us."""
 
-    __slots__ = ("request_ids", "left", "steps", "seconds")
+    __slots__ = ("request_ids", "left", "uncounted", "steps", "seconds")
 
-    def __init__(self, request_ids: list[str], steps: int) -> None:
-        self.request_ids, self.left, self.steps, self.seconds = request_ids, steps, 0, 0.0
+    def __init__(self, request_ids: list[str], steps: int, uncounted: int) -> None:
+        """`steps`: those before the held choice expires; `uncounted`: those before enough
+        steps have passed for a probe (one may still wait on its time budget)."""
+        self.request_ids, self.left, self.uncounted = request_ids, steps, uncounted
+        self.steps, self.seconds = 0, 0.0
 
 
 @dataclass(frozen=True)
@@ -388,15 +391,14 @@ class AdaptivePolicy:
 
     def grant_lease(self, request_ids: list[str]) -> None:
         """After a `choose` that held every request in `request_ids` at K = 0: lease the
-        steps on which, with the same requests, it would again, if any (`IdleLease`): those
-        before the held choice expires or a probe is due (a probe also waits on its time
-        budget, so it comes no earlier)."""
+        steps on which, with the same requests, it would again (`IdleLease`): those before
+        the held choice expires and before a probe is due (by its count of steps and its
+        time budget, `_probe_due`)."""
         held = self._held
-        if held is None or not held.idle or self._probed:
+        if held is None or not held.idle or self._probed or held.steps >= held.every:
             return
-        steps = min(held.every - held.steps, self.probe_interval - self._since_probe - 1)
-        if steps > 0:
-            self.lease = IdleLease(request_ids, steps)
+        self.lease = IdleLease(request_ids, held.every - held.steps,
+                               self.probe_interval - self._since_probe - 1)
 
     def leased_step(self, request_ids: list[str] | None, seconds: float) -> bool:
         """Whether the step just run, whose requests decoded one token each and go on
@@ -407,8 +409,11 @@ class AdaptivePolicy:
         lease = self.lease
         if lease is None or not lease.left or request_ids != lease.request_ids:
             return False
-        lease.left, lease.steps = lease.left - 1, lease.steps + 1
-        lease.seconds += seconds
+        total = lease.seconds + seconds
+        if (lease.steps >= lease.uncounted  # a probe would be due but for its time budget
+                and (self._elapsed_s + total) * self.s.probe_budget >= self._probe_cost_s):
+            return False
+        lease.left, lease.steps, lease.seconds = lease.left - 1, lease.steps + 1, total
         return True
 
     def end_lease(self) -> float | None:

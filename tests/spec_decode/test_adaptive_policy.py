@@ -309,6 +309,8 @@ def _engine_steps(policy: AdaptivePolicy, batches: list[list[str]], lease: bool,
         ks = policy.choose(batch, [4] * len(batch), len(batch))
         if lease and not any(ks.values()):
             policy.grant_lease(batch)
+        if any(ks.values()):
+            policy.observe_draft(max(ks.values()), 0.02)
         chosen.append(ks)
     return chosen, leased
 
@@ -316,19 +318,24 @@ def _engine_steps(policy: AdaptivePolicy, batches: list[list[str]], lease: bool,
 def test_idle_leases_choose_what_choose_would_on_every_step():
     """Leased steps skip `choose` and `observe_step`, yet probes, re-solves and rechecks
     come on the same steps as without leases (the counts handed over when a lease ends),
-    across a request joining and leaving."""
-    batches = [["a"]] * 30 + [["a", "b"]] * 45 + [["b"]] * 30
+    across a request joining and leaving, with probes due by their count of steps or
+    waiting on their time budget (20 ms of drafting at a budget of a half: 20 ms more,
+    20 steps of one request, 10 of two)."""
+    batches = [["a"]] * 60 + [["a", "b"]] * 90 + [["b"]] * 60
     runs = []
     for lease in (False, True):
         p = AdaptivePolicy(AdaptiveSettings(max_k=4, probe_every=4, probe_every_max=16,
-                                            recheck_every=3, recheck_every_max=12))
+                                            recheck_every=3, recheck_every_max=12,
+                                            probe_budget=0.5))
         _calibrated(p, 0.0, 0.001)  # compute-bound: held at zero but for the probes
         chosen, leased = _engine_steps(p, batches, lease)
         assert (leased > len(batches) // 2) == lease
         p.end_lease()  # a lease still running
         runs.append((chosen, p._since_probe, p.probe_interval, p._elapsed_s))
     assert runs[0][0] == runs[1][0]
-    assert sum(any(ks.values()) for ks in runs[0][0]) >= 5  # probes came, on the same steps
+    probes = [i for i, ks in enumerate(runs[0][0]) if any(ks.values())]
+    gaps = {b - a for a, b in zip(probes, probes[1:])}
+    assert len(probes) >= 8 and 16 in gaps and max(gaps) > 16  # by count, by time
     assert runs[0][1:] == pytest.approx(runs[1][1:])
 
 
