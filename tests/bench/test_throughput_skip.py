@@ -78,3 +78,18 @@ def test_speculative_engines_hold_the_cache_the_sweep_needs():
     assert throughput.workload_kv_blocks(cfg, [_prompt(20), _prompt(60)], 16) == 4 * 6
     fixed = throughput.ThroughputBenchConfig(model="tiny-moe", num_kv_blocks=99)
     assert throughput.workload_kv_blocks(fixed, [_prompt(20)], 16) is None
+
+
+def test_warm_up_fits_an_adaptive_policy_before_the_timed_runs():
+    """The adaptive engine runs warm-up batches until its step-time model is fitted (until
+    then it drafts every request's own K, a cold start that is no run's to pay); an engine
+    without a policy runs one."""
+    from specmoe import LLM
+    plain = LLM("tiny-moe", dtype="float32")
+    adaptive = plain.with_speculative({"method": "draft", "draft_model": "tiny-moe-draft",
+                                       "num_speculative_tokens": 4, "policy": "adaptive"})
+    assert adaptive.engine.policy.step_time.coef is None
+    throughput.warm_up({"plain": plain, "adaptive": adaptive},
+                       [_prompt(12), _prompt(20)])
+    assert adaptive.engine.policy.step_time.coef is not None
+    assert plain.engine.stats.num_steps < adaptive.engine.stats.num_steps
