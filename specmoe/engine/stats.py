@@ -62,7 +62,8 @@ class EngineStats:
             allowed K drafts (K = 0 included: paused or chosen off).
         step_time_errors: relative errors |predicted - measured| / measured of the adaptive
             policy's predicted forward times (`spec_decode.adaptive`), of the last
-            STEP_ERRORS_KEPT predicted steps (a server runs for days).
+            STEP_ERRORS_KEPT predicted steps (a server runs for days; the steps of an idle
+            lease, `AdaptivePolicy.grant_lease`, count once, at their mean).
         num_step_time_predictions: predicted steps since start (every error ever appended).
         last_step: the most recent step's counters.
     """
