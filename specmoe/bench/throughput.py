@@ -502,7 +502,7 @@ def warm_up(engines: dict, prompts: list[dict], max_batches: int = 8) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     for llm in engines.values():
         policy = getattr(getattr(llm, "engine", None), "policy", None)
-        for _ in range(max_batches if policy is not None else 1):
+        for _ in range(max_batches):
             llm.generate([p["token_ids"] for p in prompts[:2]], params)
             if policy is None or policy.step_time.coef is not None:
                 break

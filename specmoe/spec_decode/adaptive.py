@@ -127,13 +127,12 @@ class IdleLease:
     (`AdaptivePolicy.end_lease`). On tiny-moe, whose steps take ~0.6 ms at one request,
     the policy's per-step calls cost 15 us a step, 3% of a run held at K = 0; leased, 3 us."""
 
-    __slots__ = ("request_ids", "left", "uncounted", "steps", "seconds")
+    __slots__ = ("request_ids", "left", "steps", "seconds")
 
-    def __init__(self, request_ids: list[str], steps: int, uncounted: int) -> None:
-        """`steps`: those before the held choice expires; `uncounted`: those before enough
-        steps have passed for a probe (one may still wait on its time budget)."""
-        self.request_ids, self.left, self.uncounted = request_ids, steps, uncounted
-        self.steps, self.seconds = 0, 0.0
+    def __init__(self, request_ids: list[str], steps: int) -> None:
+        """`steps`: those before the held choice expires (a probe coming due ends the
+        lease earlier, `AdaptivePolicy.leased_step`)."""
+        self.request_ids, self.left, self.steps, self.seconds = request_ids, steps, 0, 0.0
 
 
 @dataclass(frozen=True)
@@ -324,10 +323,15 @@ class AdaptivePolicy:
             if self._idle_steps % self.s.idle_observe_every:
                 self._elapsed_s += seconds
                 return None
-        frac = self.unique_fraction(windows or [rows])
+        self._elapsed_s += seconds
+        return self._timed(rows, seconds, windows or [rows])
+
+    def _timed(self, rows: int, seconds: float, windows: list[int]) -> float | None:
+        """Add a step's timing to the time model; the relative error of its prediction
+        from the last fit (None before the first fit)."""
+        frac = self.unique_fraction(windows)
         predicted = self.step_time.predict_one(rows, frac)
         self.step_time.observe(rows, seconds, frac)
-        self._elapsed_s += seconds
         return None if predicted is None else abs(predicted - seconds) / seconds
 
     def observe_overlap(self, overlap: float) -> None:
@@ -397,8 +401,7 @@ class AdaptivePolicy:
         held = self._held
         if held is None or not held.idle or self._probed or held.steps >= held.every:
             return
-        self.lease = IdleLease(request_ids, held.every - held.steps,
-                               self.probe_interval - self._since_probe - 1)
+        self.lease = IdleLease(request_ids, held.every - held.steps)
 
     def leased_step(self, request_ids: list[str] | None, seconds: float) -> bool:
         """Whether the step just run, whose requests decoded one token each and go on
@@ -410,8 +413,7 @@ class AdaptivePolicy:
         if lease is None or not lease.left or request_ids != lease.request_ids:
             return False
         total = lease.seconds + seconds
-        if (lease.steps >= lease.uncounted  # a probe would be due but for its time budget
-                and (self._elapsed_s + total) * self.s.probe_budget >= self._probe_cost_s):
+        if self._probe_due(lease.steps, total):  # as `choose` would see it on this step
             return False
         lease.left, lease.steps, lease.seconds = lease.left - 1, lease.steps + 1, total
         return True
@@ -428,11 +430,8 @@ class AdaptivePolicy:
         self._since_probe += lease.steps
         self._idle_steps += lease.steps
         self._elapsed_s += lease.seconds
-        rows, mean = len(lease.request_ids), lease.seconds / lease.steps
-        frac = self.unique_fraction([1] * rows)
-        predicted = self.step_time.predict_one(rows, frac)
-        self.step_time.observe(rows, mean, frac)
-        return None if predicted is None else abs(predicted - mean) / mean
+        rows = len(lease.request_ids)
+        return self._timed(rows, lease.seconds / lease.steps, [1] * rows)
 
     def _back_off(self, speculating: bool) -> None:
         """Double the probe interval when the solve after a probe keeps every request at
@@ -546,12 +545,13 @@ class AdaptivePolicy:
         self._probed = True
         return [d if i else k for k, d, i in zip(ks, drafts, idle)]
 
-    def _probe_due(self) -> bool:
+    def _probe_due(self, leased_steps: int = 0, leased_s: float = 0.0) -> bool:
         """This step's held requests probe (module docstring): `probe_interval` steps
         with one held, and the time since the last probe 1 / `probe_budget` times its
-        drafting."""
-        return (self._since_probe + 1 >= self.probe_interval
-                and self._elapsed_s * self.s.probe_budget >= self._probe_cost_s)
+        drafting (counting a running lease's steps and seconds, not yet handed over)."""
+        return (self._since_probe + leased_steps + 1 >= self.probe_interval
+                and (self._elapsed_s + leased_s) * self.s.probe_budget
+                >= self._probe_cost_s)
 
     def forget(self, request_id: str) -> None:
         self.acceptance.forget(request_id)
