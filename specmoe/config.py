@@ -281,9 +281,10 @@ class SpeculativeConfig:
             drafts per request can cost more than it saves: `specmoe bench throughput` shows
             from which batch size on for a model and machine.
         draft_cost: how the "adaptive" policy prices a draft model's work: "per_depth" (the
-            measured seconds per draft token, catch-ups averaged in) or "rows" (each draft
-            forward by its rows, a resuming request's catch-up spread over the steps after
-            it; `spec_decode.adaptive.DraftTimeModel`). Experimental until benchmarked.
+            seconds per draft token and, apart, per token of each request's catch-up,
+            `spec_decode.time_models.DraftDepthModel`) or "rows" (each draft forward by its
+            rows, `DraftTimeModel`; experimental); either way a starting request's
+            catch-up is spread over the steps it may still draft for.
     """
 
     method: str

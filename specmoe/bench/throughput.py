@@ -494,8 +494,8 @@ def run_sweep(cfg: ThroughputBenchConfig, engines: dict, prompts: list[dict]) ->
 
 def warm_up(engines: dict, prompts: list[dict], max_batches: int = 8) -> None:
     """One short untimed batch per engine (first-call allocations, lazy imports); an
-    adaptive policy's engine runs more (at most `max_batches`) until its step-time model
-    is fitted: until then it drafts the requests' own K (`AdaptivePolicy.choose`), a cold
+    adaptive policy's engine runs more (at most `max_batches`) until its time models are
+    fitted (`AdaptivePolicy.calibrated`): until then it drafts the requests' own K, a cold
     start a server pays once, not in every run, which cost the first run at one request on
     the 50%-carved Qwen2.5-Coder MoE four steps at K = 4 and their draft catch-up."""
     from specmoe.sampling_params import SamplingParams
@@ -504,7 +504,7 @@ def warm_up(engines: dict, prompts: list[dict], max_batches: int = 8) -> None:
         policy = getattr(getattr(llm, "engine", None), "policy", None)
         for _ in range(max_batches):
             llm.generate([p["token_ids"] for p in prompts[:2]], params)
-            if policy is None or policy.step_time.coef is not None:
+            if policy is None or policy.calibrated:
                 break
 
 

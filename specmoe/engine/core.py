@@ -307,7 +307,9 @@ class EngineCore:
         if self.policy is None or not live:
             return own
         return self.policy.choose(list(own), list(own.values()), len(live),
-                                  lambda: self._pending_tokens(live))
+                                  lambda: self._pending_tokens(live),
+                                  lambda: [req.params.max_tokens - len(req.output_token_ids)
+                                           for req in live])
 
     def _leased_step(self, reqs: list[Request], windows: list[int], seconds: float) -> bool:
         """Whether this step is one the adaptive policy leased (`IdleLease`): every
@@ -371,9 +373,7 @@ class EngineCore:
                                                  req.params, self._generators[req.request_id])))
         if not asks:
             return
-        # the calls' rows feed only the drafting time model of draft_cost="rows"
-        rows_model = self.policy is not None and self.policy.s.draft_rows_model
-        pending = self._pending_tokens([req for req, _ in asks]) if rows_model else None
+        pending = self._pending_tokens([req for req, _ in asks])
         t0 = time.perf_counter()
         proposals = run_isolated(self.proposer.propose,
                                  lambda ask: self.proposer.propose([ask])[0],
@@ -381,10 +381,11 @@ class EngineCore:
         draft_time = time.perf_counter() - t0
         self.stats.spec.draft_time_s += draft_time
         if self.policy is not None:
-            rows = None if pending is None else call_rows(
-                [ask.num_tokens for _, ask in asks], pending)
+            # the calls' rows feed only the drafting time model of draft_cost="rows"
+            rows = None if pending is None or not self.policy.s.draft_rows_model else (
+                call_rows([ask.num_tokens for _, ask in asks], pending))
             self.policy.observe_draft(max(ask.num_tokens for _, ask in asks), draft_time,
-                                      rows)
+                                      rows, pending)
         for (req, ask), proposal in zip(asks, proposals):
             if isinstance(proposal, Exception):
                 self._fail(req, proposal)

@@ -26,17 +26,25 @@ second (the choice in `spec_decode.choice`, the time models in `spec_decode.time
   the adjacent-token overlap measured live on sampled steps), since a memory-bound MoE layer
   reads each touched expert once, so K drafts of one request cost about the experts they
   add, not K rows. Drafting costs d x depth (the deepest request's K: a draft model runs
-  the batch that many times), d the measured drafting seconds per depth, averaged; or, with
-  `draft_rows_model`, the draft's forwards priced by their rows (`DraftTimeModel`): the
-  first forward runs every drafting request's catch-up (the tokens its draft cache lacks),
-  each later one the requests still drafting. A request that did not draft on the previous
-  step pays its catch-up once, so only 1 / `catch_up_horizon` of it beyond the first token
-  is charged to the step that resumes it.
+  the batch that many times) plus, for a draft model, e per token of each drafting
+  request's catch-up (the tokens its draft cache lacks beyond the one it runs anyway: a
+  prompt, or what was generated while it did not draft), d and e fitted on the draft's
+  calls (`DraftDepthModel`); where the catch-ups are unknown (prompt lookup has none), d
+  is the mean seconds per depth. With `draft_rows_model`, the draft's forwards are priced
+  by their rows instead (`DraftTimeModel`): the first forward runs every drafting
+  request's catch-up, each later one the requests still drafting. A request that did not
+  draft on the previous step pays its catch-up once for the steps it then drafts, so the
+  step that starts it is charged the catch-up over those steps: its remaining tokens
+  (max_tokens less those generated) over its expected tokens per step, at most
+  `catch_up_horizon`. A prompt's catch-up through the 0.5B Qwen2.5-Coder draft (~3 ms a
+  token) is worth paying for a 32-token answer, a late resume's for the last few tokens
+  is not. Until both models are fitted every request drafts its own K (`calibrated`).
 - Choice: for a given draft depth D and number n of drafts, the best drafts are the n with
   the most expected tokens (each request's are non-increasing in position, so they are a
   prefix of each request's); the best n maximises tokens / seconds. Each D = 0..K_max is
   tried, and the best kept. (With per-request catch-ups a request's first draft carries a
-  cost of its own, and the prefix is then a greedy approximation.)
+  cost of its own, and the prefix is then a greedy approximation; the search is rerun
+  with the requests of dearest catch-ups left out, `choice.choose_ks`.)
 - A margin: speculation turns on only where predicted `min_gain` faster than none. What
   the step-time model leaves out costs about that much: the policy's own bookkeeping and
   the proposer's fixed cost per call (0.5-0.7 ms of a 15 ms SmolLM2 step at eight
@@ -102,7 +110,7 @@ import numpy as np
 
 from specmoe.spec_decode.choice import choose_ks, predicted_rate
 from specmoe.spec_decode.routing_overlap import miss_log, unique_fraction
-from specmoe.spec_decode.time_models import DraftTimeModel, StepTimeModel
+from specmoe.spec_decode.time_models import DraftDepthModel, DraftTimeModel, StepTimeModel
 
 
 class _Held:
@@ -289,6 +297,7 @@ class AdaptivePolicy:
         self.draft_s = 0.0
         self._draft_obs = 0
         self.draft_time = DraftTimeModel(settings.window, settings.min_fit_steps)
+        self.draft_depth = DraftDepthModel(settings.window, settings.min_fit_steps)
         self._previous: dict[str, int] = {}
         self._since_probe = 0  # steps with a request held at K = 0 since the last probe
         self.probe_interval = settings.probe_every  # grows while probes find nothing
@@ -350,13 +359,16 @@ class AdaptivePolicy:
         return 1.0 - math.exp(sum(miss[t - 1] for t in windows))
 
     def observe_draft(self, depth: int, seconds: float,
-                      forward_rows: list[float] | None = None) -> None:
+                      forward_rows: list[float] | None = None,
+                      catch_ups: list[int] | None = None) -> None:
         """A drafting call of `depth` tokens per request that took `seconds`, the draft
-        model's catch-up on context it had not seen included (`forward_rows`: its
-        forwards' rows, `call_rows`, for `draft_rows_model`). Without the rows model the
-        catch-ups are averaged into the cost per depth: a cost from steady calls alone
-        would underprice resuming (it turns speculation back on where the catch-ups then
-        outweigh the gain)."""
+        model's catch-up on context it had not seen included (`catch_ups`: per drafting
+        request, the tokens its draft cache lacked, for `DraftDepthModel`; `forward_rows`:
+        the forwards' rows, `call_rows`, for `draft_rows_model`). The mean seconds per
+        depth, catch-ups averaged in, prices drafting where the catch-ups are unknown
+        (prompt lookup has none) or until `DraftDepthModel` is fitted."""
+        if catch_ups:
+            self.draft_depth.observe(depth, catch_ups, seconds)
         if depth > 0:
             self._draft_obs += 1
             self.draft_s = _running_mean(self.draft_s, self._draft_obs, seconds / depth)
@@ -367,16 +379,18 @@ class AdaptivePolicy:
             self.draft_time.observe(forward_rows, seconds)
 
     def choose(self, request_ids: list[str], caps: list[int], base_rows: int,
-               pending: Pending = None) -> dict[str, int]:
+               pending: Pending = None, remaining: Pending = None) -> dict[str, int]:
         """K per request (at most its cap) for the next step; `base_rows`: the rows the
         step computes without drafts (the predicted time adds the expected draft rows);
-        `pending`: per request, the tokens its draft cache lacks (for `draft_rows_model`
-        and probes), or a function giving them, called only on the steps that need them
-        (most steps hold their Ks and need none: a lookup per request per step is a cost
-        of its own on a target whose steps take a millisecond)."""
+        `pending`: per request, the tokens its draft cache lacks (its catch-up, priced by
+        `_drafting`, and for probes), or a function giving them, called only on the steps
+        that need them (most steps hold their Ks and need none: a lookup per request per
+        step is a cost of its own on a target whose steps take a millisecond);
+        `remaining`: likewise, the most tokens each request may still generate (its
+        max_tokens less those generated; None: `catch_up_horizon` steps)."""
         if not request_ids:
             return {}
-        if self.step_time.coef is None:  # not calibrated yet: the requests' own K
+        if not self.calibrated:  # the requests' own K
             return {r: min(c, self.s.max_k) for r, c in zip(request_ids, caps)}
         held = self._held
         if held is not None and held.holds(request_ids) and not self._probed:
@@ -389,9 +403,18 @@ class AdaptivePolicy:
             ks = [min(held.ks[r], c) for r, c in zip(request_ids, caps)]
             return self._keep(request_ids, ks, caps, pending)
         caps_a = np.minimum(np.asarray(caps, dtype=np.int64), self.s.max_k)
-        ks = self._solve(request_ids, caps_a, base_rows, pending)
+        ks = self._solve(request_ids, caps_a, base_rows, pending, remaining)
         self._back_off(bool(ks.any()))
         return self._keep(request_ids, ks.tolist(), caps, pending)
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether the step-time model is fitted and, where the draft's catch-ups are
+        known, the drafting model too (`min_fit_steps` calls each). Until then every
+        request drafts its own K: a policy that turned speculation off on its first fit
+        would see the draft again only in probes, each a catch-up on a request's context:
+        ~0.3 s on the Qwen2.5-Coder pair, which the 1% `probe_budget` spaces 30 s apart."""
+        return self.step_time.coef is not None and self.draft_depth.enough_calls
 
     def grant_lease(self, request_ids: list[str]) -> None:
         """After a `choose` that held every request in `request_ids` at K = 0: lease the
@@ -449,18 +472,19 @@ class AdaptivePolicy:
         return dict(self._previous)
 
     def _solve(self, request_ids: list[str], caps_a: np.ndarray, base_rows: int,
-               pending: Pending) -> np.ndarray:
+               pending: Pending, remaining: Pending) -> np.ndarray:
         """The best Ks for the batch (module docstring), with the hysteresis; holds the
         choice (`_Held`)."""
         step_s, miss = self._step_fn(base_rows), self._miss()
         gains, fills = map(np.stack, zip(*(self.acceptance.slots(r) for r in request_ids)))
-        draft_s, rows = self._drafting(request_ids, pending)
+        draft_s, rows, starts = self._drafting(request_ids, gains, caps_a, pending, remaining)
         ks, rate = choose_ks(gains, caps_a, step_s, draft_s, miss, rows, fills,
-                             self.s.min_gain)
+                             self.s.min_gain, starts)
         prev = np.array([min(self._previous.get(r, k), c) for r, k, c
                          in zip(request_ids, ks, caps_a)], dtype=np.int64)
         if (prev != ks).any() and rate <= predicted_rate(
-                prev, gains, step_s, draft_s, miss, rows, fills) * (1 + self.s.hysteresis):
+                prev, gains, step_s, draft_s, miss, rows, fills, starts) * (
+                1 + self.s.hysteresis):
             ks = prev
         self._held = _Held(request_ids, ks.tolist(), self._hold_for(request_ids, ks))
         return ks
@@ -479,20 +503,41 @@ class AdaptivePolicy:
             return min(2 * held.every, self.s.resolve_every_max)
         return self.s.resolve_every
 
-    def _drafting(self, request_ids: list[str], pending: Pending):
-        """(draft_s, draft_rows) for `choose_ks`: the cost per depth, or with
-        `draft_rows_model` (once fitted) the least a forward costs and each request's
-        catch-up rows, a resuming request's spread over `catch_up_horizon` steps."""
-        model = self.draft_time
-        pending = _resolve(pending) if self.s.draft_rows_model else None
+    def _drafting(self, request_ids: list[str], gains: np.ndarray, caps: np.ndarray,
+                  pending: Pending, remaining: Pending):
+        """(draft_s, draft_rows, starts) for `choose_ks`. Where the catch-ups are known and
+        the draft's model of them fitted: the steady seconds per depth and each request's
+        share of its catch-up in seconds (`DraftDepthModel`), or with `draft_rows_model`
+        the least a forward costs and each request's rows in the first forward. Else the
+        mean seconds per depth, catch-ups averaged in."""
+        model = self.draft_time if self.s.draft_rows_model else self.draft_depth
+        pending = _resolve(pending)
         if pending is not None:
             model.refresh()
         if pending is None or model.coef is None:
-            return self.draft_s, None
-        h = self.s.catch_up_horizon
-        lags = np.array([p if self._previous.get(r, 0) > 0 else 1 + max(p - 1, 0) / h
-                         for r, p in zip(request_ids, pending)], dtype=float)
-        return float(model.forward_s(1.0)), (lags, model.forward_s)
+            return self.draft_s, None, None
+        extra = self._catch_up_shares(request_ids, gains, caps, pending, remaining)
+        if self.s.draft_rows_model:
+            return float(model.forward_s(1.0)), (1.0 + extra, model.forward_s), None
+        per_depth, per_token = model.coef
+        return per_depth, None, per_token * extra
+
+    def _catch_up_shares(self, request_ids: list[str], gains: np.ndarray, caps: np.ndarray,
+                         pending: list[int], remaining: Pending) -> np.ndarray:
+        """[B] each request's catch-up tokens beyond its first charged to this step: in full
+        for one that drafted on the previous step (they recur on every step), else spread
+        over the steps it may draft for, which pay it once: its remaining tokens over its
+        expected tokens per step at its cap, at most `catch_up_horizon` (a request may end
+        before its max_tokens)."""
+        extra = np.maximum(np.asarray(pending, dtype=float) - 1.0, 0.0)
+        steps = np.full(extra.shape, float(self.s.catch_up_horizon))
+        remaining = _resolve(remaining)
+        if remaining is not None:
+            allowed = np.arange(gains.shape[1])[None, :] < caps[:, None]
+            per_step = 1.0 + np.where(allowed, gains, 0.0).sum(axis=1)
+            steps = np.clip(np.asarray(remaining, dtype=float) / per_step, 1.0, steps)
+        resuming = np.array([self._previous.get(r, 0) == 0 for r in request_ids])
+        return np.where(resuming, extra / steps, extra)
 
     def _step_fn(self, base_rows: int, refit: bool = True):
         """(drafts, log expert misses, drafts' variance) -> predicted forward seconds, for

@@ -27,8 +27,8 @@ def _drafting_seconds(order: np.ndarray, max_k: int, depths: np.ndarray, lags: n
 
 def choose_ks(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float,
               miss_step: np.ndarray | None = None, draft_rows=None,
-              fills: np.ndarray | None = None, min_gain: float = 0.0
-              ) -> tuple[np.ndarray, float]:
+              fills: np.ndarray | None = None, min_gain: float = 0.0,
+              starts: np.ndarray | None = None) -> tuple[np.ndarray, float]:
     """The K per request that maximises expected tokens per second (module docstring).
 
     Args:
@@ -57,6 +57,11 @@ def choose_ks(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float,
             their variance goes to `step_s`.
         min_gain: the least relative gain over no speculation a choice must predict (0: any
             gain); below it every K is 0.
+        starts: None, or [B] seconds each request's drafting adds to the step once it drafts
+            at all, whatever its K (its share of its draft catch-up, priced apart from
+            `draft_s`), taken with its first draft. A dear start early in the order would
+            cut every prefix past it, so the search is run again with the 1, 2, 4, ... and
+            all requests of dearest starts left out, and the best kept.
     Returns:
         (ks [B] int64, the predicted tokens per second).
 
@@ -67,13 +72,45 @@ def choose_ks(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float,
     """
     b, max_k = gains.shape
     miss = np.zeros(max_k + 1) if miss_step is None else miss_step
+    base_miss = b * miss[0]
+    plain_rate = b / float(step_s(np.zeros(1), np.full(1, base_miss), None)[0])
+    best = np.zeros(b, dtype=np.int64), float(plain_rate)
+    if not _may_pay(gains, caps, b / plain_rate, draft_s, min(max_k, int(caps.max(initial=0))),
+                    plain_rate * (1 + min_gain)):
+        return best
+    for left_out in _dearest_starts(starts, b):
+        ks, rate = _search(gains, np.where(left_out, 0, caps), step_s, draft_s, miss,
+                           draft_rows, fills, starts)
+        if rate > best[1] and rate > plain_rate * (1 + min_gain):
+            best = ks, rate
+    return best
+
+
+def _dearest_starts(starts: np.ndarray | None, b: int) -> list[np.ndarray]:
+    """[b] bool masks of the requests `choose_ks` leaves out in turn: none, then the 1, 2,
+    4, ... and all requests with the dearest positive starts."""
+    masks = [np.zeros(b, dtype=bool)]
+    if starts is None or not (starts > 0).any():
+        return masks
+    dear = np.argsort(-starts, kind="stable")[:int((starts > 0).sum())]
+    counts = sorted({*(2 ** i for i in range(dear.size.bit_length())), dear.size})
+    for m in counts:
+        masks.append(masks[0].copy())
+        masks[-1][dear[:m]] = True
+    return masks
+
+
+def _search(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float, miss: np.ndarray,
+            draft_rows, fills: np.ndarray | None, starts: np.ndarray | None
+            ) -> tuple[np.ndarray, float]:
+    """`choose_ks`' search over every draft depth and prefix of the candidates (its
+    docstring): the best Ks and their rate (0 where no request may draft)."""
+    b, max_k = gains.shape
     f = np.ones_like(gains) if fills is None else fills
     base_miss = b * miss[0]
-    best_rate = b / float(step_s(np.zeros(1), np.full(1, base_miss), None)[0])
     max_depth = min(max_k, int(caps.max(initial=0)))
-    if not _may_pay(gains, caps, b / best_rate, draft_s, max_depth,
-                    best_rate * (1 + min_gain)):
-        return np.zeros(b, dtype=np.int64), float(best_rate)
+    if max_depth < 1:
+        return np.zeros(b, dtype=np.int64), 0.0
     allowed = (np.arange(max_k)[None, :] < caps[:, None]).reshape(-1)
     order = np.argsort(-(gains / f).reshape(-1), kind="stable")
     order = order[allowed[order]]
@@ -87,10 +124,14 @@ def choose_ks(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float,
     var = None if fills is None else _prefix_sums(taken * _row_variance(f).reshape(-1)[order])
     drafting = (draft_s * depths[:, None] if draft_rows is None
                 else _drafting_seconds(order, max_k, depths, *draft_rows))
+    if starts is not None:
+        drafting = drafting + _prefix_sums(taken * np.where(pos == 0, starts[order // max_k],
+                                                            0.0))
     rate = tokens / (step_s(_prefix_sums(taken * rows), misses, var) + drafting)
+    rate[:, 0] = 0.0  # no drafts: the plain rate, which `choose_ks` compares against
     d, n = np.unravel_index(int(np.argmax(rate)), rate.shape)
-    if rate[d, n] <= best_rate * (1 + min_gain) or not taken[d, :n].any():
-        return np.zeros(b, dtype=np.int64), float(best_rate)
+    if not taken[d, :n].any():
+        return np.zeros(b, dtype=np.int64), 0.0
     chosen = order[:n][taken[d, :n]]
     return np.bincount(chosen // max_k, minlength=b), float(rate[d, n])
 
@@ -128,7 +169,8 @@ def _may_pay(gains: np.ndarray, caps: np.ndarray, plain_s: float, draft_s: float
 
 def predicted_rate(ks: np.ndarray, gains: np.ndarray, step_s, draft_s: float,
                    miss_step: np.ndarray | None = None, draft_rows=None,
-                   fills: np.ndarray | None = None) -> float:
+                   fills: np.ndarray | None = None, starts: np.ndarray | None = None
+                   ) -> float:
     """Expected tokens per second of the batch at `ks` (`choose_ks`'s arguments)."""
     tokens = len(ks) + sum(float(g[:k].sum()) for g, k in zip(gains, ks))
     if draft_rows is None:
@@ -136,6 +178,8 @@ def predicted_rate(ks: np.ndarray, gains: np.ndarray, step_s, draft_s: float,
     else:
         lags, forward_s = draft_rows
         drafting = float(forward_s(call_rows(ks.tolist(), lags.tolist())).sum())
+    if starts is not None:
+        drafting += float(starts[ks > 0].sum())
     return tokens / (_step_seconds(ks, gains.shape[1], step_s, miss_step, fills) + drafting)
 
 

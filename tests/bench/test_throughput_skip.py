@@ -81,15 +81,16 @@ def test_speculative_engines_hold_the_cache_the_sweep_needs():
 
 
 def test_warm_up_fits_an_adaptive_policy_before_the_timed_runs():
-    """The adaptive engine runs warm-up batches until its step-time model is fitted (until
-    then it drafts every request's own K, a cold start that is no run's to pay); an engine
-    without a policy runs one."""
+    """The adaptive engine runs warm-up batches until its step-time and drafting models are
+    fitted (until then it drafts every request's own K, a cold start that is no run's to
+    pay); an engine without a policy runs one."""
     from specmoe import LLM
     plain = LLM("tiny-moe", dtype="float32")
     adaptive = plain.with_speculative({"method": "draft", "draft_model": "tiny-moe-draft",
                                        "num_speculative_tokens": 4, "policy": "adaptive"})
-    assert adaptive.engine.policy.step_time.coef is None
+    assert not adaptive.engine.policy.calibrated
     throughput.warm_up({"plain": plain, "adaptive": adaptive},
                        [_prompt(12), _prompt(20)])
-    assert adaptive.engine.policy.step_time.coef is not None
+    policy = adaptive.engine.policy
+    assert policy.calibrated and policy.draft_depth._observed >= policy.s.min_fit_steps
     assert plain.engine.stats.num_steps < adaptive.engine.stats.num_steps

@@ -73,6 +73,31 @@ def test_rows_priced_drafting_fits_the_draft_forwards_and_stays_lossless():
     assert model.forward_s(1.0) > 0
 
 
+def test_drafting_is_priced_apart_from_catch_ups_over_the_tokens_left():
+    """The engine hands the policy each drafting call's catch-ups and, on a solve, each
+    request's tokens left; outputs stay those of plain decoding."""
+    plain = LLM("tiny-moe", dtype="float32")
+    spec = plain.with_speculative({"method": "draft", "draft_model": "tiny-moe-draft",
+                                   "num_speculative_tokens": 4, "policy": "adaptive"})
+    policy = spec.engine.policy
+    seen = []
+    shares = policy._catch_up_shares
+
+    def spy(request_ids, gains, caps, pending, remaining):
+        seen.append(remaining())
+        return shares(request_ids, gains, caps, pending, remaining)
+    policy._catch_up_shares = spy
+    prompts = [[5 + i, 17, 42, 99, 7 + i] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in spec.generate(prompts, params)] == expected
+    calls = list(policy.draft_depth._calls)
+    assert len(calls) >= policy.s.min_fit_steps and policy.calibrated
+    assert max(c[1] for c in calls) >= 4  # a 5-token prompt's first draft call
+    assert seen and all(0 < r <= 24 for left in seen for r in left)
+    assert policy.draft_depth.coef is not None
+
+
 def test_routing_is_sampled_only_on_small_steps_with_adjacent_tokens():
     """A step of single-token decodes has no adjacent pair to measure, and a large prompt
     chunk would run its many rows off the fused driver: neither is sampled (it stays on

@@ -565,13 +565,13 @@ def test_draft_time_model_learns_the_cost_per_forward_from_whole_calls():
     assert m.forward_s(0.0) == 0.0
 
 
-def _rows_policy(pending_history):
-    p = AdaptivePolicy(AdaptiveSettings(max_k=4, draft_rows_model=True, probe_every=1000,
-                                        min_fit_steps=4))
+def _rows_policy(pending_history, rows_model=True):
+    p = AdaptivePolicy(AdaptiveSettings(max_k=4, draft_rows_model=rows_model,
+                                        probe_every=1000, min_fit_steps=4))
     _calibrated(p, 0.020, 0.0)  # memory-bound target: 20 ms a step whatever its rows
     for rows in pending_history:  # steady calls and a few probes with long catch-ups
         fwd = call_rows([1], [rows])
-        p.observe_draft(1, sum(_draft_forward(r) for r in fwd), fwd)
+        p.observe_draft(1, sum(_draft_forward(r) for r in fwd), fwd, [rows])
     for _ in range(40):
         p.observe_verified("a", 1, 1)
     return p
@@ -581,10 +581,10 @@ def test_catch_ups_do_not_price_steady_drafting():
     """Probes that caught up 500 tokens made the per-depth mean 35 ms a draft, more than
     a step, so speculation stayed off; priced by rows, a caught-up request drafts."""
     history = [2, 2, 2, 500, 2, 2, 500, 500]
-    per_depth = _rows_policy(history)
-    per_depth.s = AdaptiveSettings(**{**per_depth.s.__dict__, "draft_rows_model": False})
+    per_depth = _rows_policy(history, rows_model=False)
     assert per_depth.draft_s > 0.020
-    assert per_depth.choose(["a"], [4], 1)["a"] == 0
+    assert per_depth.choose(["a"], [4], 1)["a"] == 0  # catch-ups unknown: the mean
+    assert _rows_policy(history, rows_model=False).choose(["a"], [4], 1, [2])["a"] > 0
     rows = _rows_policy(history)
     assert rows.choose(["a"], [4], 1, pending=[2])["a"] > 0
 
@@ -597,14 +597,22 @@ def test_a_resuming_catch_up_is_spread_over_the_horizon():
     # drafting on the previous step: its pending tokens recur every step, in full
     p = _rows_policy(history)
     p._previous = {"a": 1}
-    assert p._drafting(["a"], [40])[1][0].tolist() == [40.0]
-    assert _rows_policy(history)._drafting(["a"], [33])[1][0].tolist() == [3.0]
+    assert _lags(p, [40]) == [40.0]
+    assert _lags(_rows_policy(history), [33]) == [3.0]
+
+
+def _lags(policy, pending, remaining=None):
+    """The catch-up rows `_drafting` charges a step's first draft forward."""
+    gains = np.stack([policy.acceptance.gains(r) for r in "ab"[:len(pending)]])
+    caps = np.full(len(pending), 4)
+    return policy._drafting(["a", "b"][:len(pending)], gains, caps, pending,
+                            remaining)[1][0].tolist()
 
 
 def test_rows_priced_choice_predicts_its_own_rate():
     p = _rows_policy([2, 3, 2, 500, 2])
     gains = np.stack([_gains(0.9, 1)[0], _gains(0.6, 1)[0], _gains(0.3, 1)[0]])[:, :4]
-    draft_s, rows = p._drafting(["x", "y", "z"], [3, 30, 300])
+    draft_s, rows, _ = p._drafting(["x", "y", "z"], gains, np.full(3, 4), [3, 30, 300], None)
     step = p._step_fn(3)
     ks, rate = choose_ks(gains, np.full(3, 4), step, draft_s, None, rows)
     assert ks.any()

@@ -1,0 +1,109 @@
+"""The adaptive policy's price of a draft model's catch-ups (`DraftDepthModel`,
+`AdaptivePolicy._drafting`): the steady seconds per draft token apart from the seconds per
+token of context a draft cache lacks, and each request's catch-up spread over the steps it
+may still draft for."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specmoe.spec_decode.adaptive import AdaptivePolicy, AdaptiveSettings
+from specmoe.spec_decode.choice import choose_ks, predicted_rate
+from specmoe.spec_decode.time_models import DraftDepthModel
+
+PER_DEPTH, PER_TOKEN = 0.010, 0.0008  # a draft token of the batch; a catch-up token
+
+
+def _call_s(depth: int, catch_ups: list[int]) -> float:
+    return PER_DEPTH * depth + PER_TOKEN * (sum(catch_ups) - len(catch_ups))
+
+
+def test_the_depth_model_separates_steady_drafting_from_catch_ups():
+    m = DraftDepthModel(window=64, min_calls=4)
+    for depth, catch_ups in [(4, [1]), (4, [300]), (2, [2, 1]), (4, [1, 2]), (1, [90, 1]),
+                             (3, [1, 1, 1]), (4, [1, 700])]:
+        m.observe(depth, catch_ups, _call_s(depth, catch_ups))
+    m.refresh()
+    assert m.coef == pytest.approx((PER_DEPTH, PER_TOKEN), rel=1e-6)
+
+
+def test_no_fit_before_min_calls_and_empty_calls_are_ignored():
+    m = DraftDepthModel(window=64, min_calls=4)
+    m.observe(0, [5], 0.1)
+    m.observe(4, [], 0.1)
+    for _ in range(3):
+        m.observe(4, [1], 0.04)
+    m.refresh()
+    assert m.coef is None
+
+
+def _policy(c0: float = 0.030) -> AdaptivePolicy:
+    """A memory-bound target (`c0` a step whatever its rows), 2.8 of 4 drafts accepted on
+    average and the draft's calls seen: steady ones and prompts' catch-ups (~0.25 s)."""
+    p = AdaptivePolicy(AdaptiveSettings(max_k=4, probe_every=1000, min_fit_steps=4))
+    for rows in (1, 2, 5, 9, 3, 1, 6, 2):
+        p.observe_step(rows, c0)
+    for catch_ups in ([1], [300], [1], [2], [320], [1], [1], [280]):
+        p.observe_draft(4, _call_s(4, catch_ups), catch_ups=catch_ups)
+    for i in range(40):
+        p.observe_verified("old", 4, (4, 3, 2, 4, 1)[i % 5])
+    return p
+
+
+def test_a_new_request_drafts_where_its_prompt_catch_up_is_paid_back():
+    """The mean per depth with catch-ups averaged in is 0.032 s, which speculation on a
+    30 ms step does not pay; priced apart, a 300-token prompt's 0.24 s catch-up pays
+    over 32 tokens to come, not over 5."""
+    assert _policy().draft_s > 0.030
+    assert _policy().choose(["new"], [4], 1)["new"] == 0  # catch-ups unknown: the mean
+    assert _policy().choose(["new"], [4], 1, [300], [32])["new"] == 4
+    assert _policy().choose(["new"], [4], 1, [300], [5])["new"] == 0
+
+
+def test_a_resuming_catch_up_is_spread_over_the_steps_left_at_most_the_horizon():
+    p = _policy()
+    gains = np.stack([p.acceptance.gains("a"), p.acceptance.gains("b")])
+    caps = np.array([4, 4])
+    per_step = 1.0 + gains.sum(axis=1)
+    _, _, starts = p._drafting(["a", "b"], gains, caps, [301, 301], [20, 10_000])
+    assert starts == pytest.approx(
+        [PER_TOKEN * 300 / (20 / per_step[0]), PER_TOKEN * 300 / 16], rel=1e-3)
+    # drafting on the previous step: its catch-up recurs on every step, in full
+    p._previous = {"a": 2}
+    _, _, starts = p._drafting(["a", "b"], gains, caps, [3, 301], None)
+    assert starts == pytest.approx([PER_TOKEN * 2, PER_TOKEN * 300 / 16], rel=1e-3)
+
+
+def test_start_costs_keep_the_dearest_request_off_and_the_rate_agrees():
+    gains = np.tile(0.8 ** np.arange(1, 5), (3, 1))
+    step = lambda drafts, misses, var=None: np.full(np.shape(drafts), 0.060)  # noqa: E731
+    starts = np.array([0.0, 0.004, 0.5])
+    ks, rate = choose_ks(gains, np.full(3, 4), step, PER_DEPTH, starts=starts)
+    assert ks.tolist() == [4, 4, 0]
+    assert rate == pytest.approx(predicted_rate(ks, gains, step, PER_DEPTH, starts=starts))
+    assert predicted_rate(np.array([4, 4, 4]), gains, step, PER_DEPTH,
+                          starts=starts) < rate
+
+
+def test_requests_draft_their_own_k_until_the_drafting_model_is_fitted():
+    """A policy that turned speculation off on its first step-time fit, with the drafting
+    priced from a few catch-up calls, would see the draft again only in probes."""
+    p = AdaptivePolicy(AdaptiveSettings(max_k=4, probe_every=1000, min_fit_steps=4))
+    for rows in (1, 2, 5, 9, 3):
+        p.observe_step(rows, 0.030)
+    p.observe_draft(2, 0.5, catch_ups=[400, 300])
+    assert not p.calibrated
+    assert p.choose(["a", "b"], [4, 3], 2) == {"a": 4, "b": 3}
+    for _ in range(3):
+        p.observe_draft(4, 0.5)  # no catch-ups known: not the drafting model's
+    assert not p.calibrated
+    for _ in range(3):
+        p.observe_draft(4, 0.04, catch_ups=[1, 2])
+    assert p.calibrated and p.draft_depth.coef is None  # fitted when a solve asks
+    # prompt lookup reports no catch-ups: the step-time model alone calibrates
+    q = AdaptivePolicy(AdaptiveSettings(max_k=4, min_fit_steps=4))
+    for rows in (1, 2, 5, 9):
+        q.observe_step(rows, 0.030)
+    q.observe_draft(4, 0.001)
+    assert q.calibrated
