@@ -26,10 +26,10 @@ second (the choice in `spec_decode.choice`, the time models in `spec_decode.time
   the adjacent-token overlap measured live on sampled steps), since a memory-bound MoE layer
   reads each touched expert once, so K drafts of one request cost about the experts they
   add, not K rows. Drafting costs d x depth (the deepest request's K: a draft model runs
-  the batch that many times) plus, for a draft model, e per token of each drafting
-  request's catch-up (the tokens its draft cache lacks beyond the one it runs anyway: a
-  prompt, or what was generated while it did not draft), d and e fitted on the draft's
-  calls (`DraftDepthModel`); where the catch-ups are unknown (prompt lookup has none), d
+  the batch that many times) plus, for a draft model, c per call and e per token of each
+  drafting request's catch-up (the tokens its draft cache lacks beyond the one it runs
+  anyway: a prompt, or what was generated while it did not draft), c, d and e fitted on
+  the draft's calls (`DraftDepthModel`); where the catch-ups are unknown (prompt lookup has none), d
   is the mean seconds per depth. With `draft_rows_model`, the draft's forwards are priced
   by their rows instead (`DraftTimeModel`): the first forward runs every drafting
   request's catch-up, each later one the requests still drafting. A request that did not
@@ -477,13 +477,13 @@ class AdaptivePolicy:
         choice (`_Held`)."""
         step_s, miss = self._step_fn(base_rows), self._miss()
         gains, fills = map(np.stack, zip(*(self.acceptance.slots(r) for r in request_ids)))
-        draft_s, rows, starts = self._drafting(request_ids, gains, caps_a, pending, remaining)
-        ks, rate = choose_ks(gains, caps_a, step_s, draft_s, miss, rows, fills,
-                             self.s.min_gain, starts)
+        drafting = self._drafting(request_ids, gains, caps_a, pending, remaining)
+        ks, rate = choose_ks(gains, caps_a, step_s, miss_step=miss, fills=fills,
+                             min_gain=self.s.min_gain, **drafting)
         prev = np.array([min(self._previous.get(r, k), c) for r, k, c
                          in zip(request_ids, ks, caps_a)], dtype=np.int64)
         if (prev != ks).any() and rate <= predicted_rate(
-                prev, gains, step_s, draft_s, miss, rows, fills, starts) * (
+                prev, gains, step_s, miss_step=miss, fills=fills, **drafting) * (
                 1 + self.s.hysteresis):
             ks = prev
         self._held = _Held(request_ids, ks.tolist(), self._hold_for(request_ids, ks))
@@ -504,23 +504,25 @@ class AdaptivePolicy:
         return self.s.resolve_every
 
     def _drafting(self, request_ids: list[str], gains: np.ndarray, caps: np.ndarray,
-                  pending: Pending, remaining: Pending):
-        """(draft_s, draft_rows, starts) for `choose_ks`. Where the catch-ups are known and
-        the draft's model of them fitted: the steady seconds per depth and each request's
-        share of its catch-up in seconds (`DraftDepthModel`), or with `draft_rows_model`
-        the least a forward costs and each request's rows in the first forward. Else the
-        mean seconds per depth, catch-ups averaged in."""
+                  pending: Pending, remaining: Pending) -> dict:
+        """The drafting's price, `choose_ks`' keyword arguments. Where the catch-ups are
+        known and the draft's model of them fitted: a call's fixed seconds, the steady
+        seconds per depth and each request's share of its catch-up in seconds
+        (`DraftDepthModel`), or with `draft_rows_model` the least a forward costs and each
+        request's rows in the first forward. Else the mean seconds per depth, catch-ups
+        averaged in."""
         model = self.draft_time if self.s.draft_rows_model else self.draft_depth
         pending = _resolve(pending)
         if pending is not None:
             model.refresh()
         if pending is None or model.coef is None:
-            return self.draft_s, None, None
+            return {"draft_s": self.draft_s}
         extra = self._catch_up_shares(request_ids, gains, caps, pending, remaining)
         if self.s.draft_rows_model:
-            return float(model.forward_s(1.0)), (1.0 + extra, model.forward_s), None
-        per_depth, per_token = model.coef
-        return per_depth, None, per_token * extra
+            return {"draft_s": float(model.forward_s(1.0)),
+                    "draft_rows": (1.0 + extra, model.forward_s)}
+        per_call, per_depth, per_token = model.coef
+        return {"draft_s": per_depth, "draft_call_s": per_call, "starts": per_token * extra}
 
     def _catch_up_shares(self, request_ids: list[str], gains: np.ndarray, caps: np.ndarray,
                          pending: list[int], remaining: Pending) -> np.ndarray:

@@ -28,7 +28,8 @@ def _drafting_seconds(order: np.ndarray, max_k: int, depths: np.ndarray, lags: n
 def choose_ks(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float,
               miss_step: np.ndarray | None = None, draft_rows=None,
               fills: np.ndarray | None = None, min_gain: float = 0.0,
-              starts: np.ndarray | None = None) -> tuple[np.ndarray, float]:
+              starts: np.ndarray | None = None, draft_call_s: float = 0.0
+              ) -> tuple[np.ndarray, float]:
     """The K per request that maximises expected tokens per second (module docstring).
 
     Args:
@@ -62,6 +63,8 @@ def choose_ks(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float,
             `draft_s`), taken with its first draft. A dear start early in the order would
             cut every prefix past it, so the search is run again with the 1, 2, 4, ... and
             all requests of dearest starts left out, and the best kept.
+        draft_call_s: seconds a drafting call costs whatever its depth (without
+            `draft_rows`), paid once where any request drafts.
     Returns:
         (ks [B] int64, the predicted tokens per second).
 
@@ -75,12 +78,12 @@ def choose_ks(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float,
     base_miss = b * miss[0]
     plain_rate = b / float(step_s(np.zeros(1), np.full(1, base_miss), None)[0])
     best = np.zeros(b, dtype=np.int64), float(plain_rate)
-    if not _may_pay(gains, caps, b / plain_rate, draft_s, min(max_k, int(caps.max(initial=0))),
-                    plain_rate * (1 + min_gain)):
+    if not _may_pay(gains, caps, b / plain_rate + draft_call_s, draft_s,
+                    min(max_k, int(caps.max(initial=0))), plain_rate * (1 + min_gain)):
         return best
     for left_out in _dearest_starts(starts, b):
         ks, rate = _search(gains, np.where(left_out, 0, caps), step_s, draft_s, miss,
-                           draft_rows, fills, starts)
+                           draft_rows, fills, starts, draft_call_s)
         if rate > best[1] and rate > plain_rate * (1 + min_gain):
             best = ks, rate
     return best
@@ -101,8 +104,8 @@ def _dearest_starts(starts: np.ndarray | None, b: int) -> list[np.ndarray]:
 
 
 def _search(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float, miss: np.ndarray,
-            draft_rows, fills: np.ndarray | None, starts: np.ndarray | None
-            ) -> tuple[np.ndarray, float]:
+            draft_rows, fills: np.ndarray | None, starts: np.ndarray | None,
+            draft_call_s: float) -> tuple[np.ndarray, float]:
     """`choose_ks`' search over every draft depth and prefix of the candidates (its
     docstring): the best Ks and their rate (0 where no request may draft)."""
     b, max_k = gains.shape
@@ -122,7 +125,7 @@ def _search(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float, miss: n
     # a request's j-th draft grows its window from j + 1 to j + 2 tokens
     misses = base_miss + _prefix_sums(taken * (np.diff(miss)[pos] * rows))
     var = None if fills is None else _prefix_sums(taken * _row_variance(f).reshape(-1)[order])
-    drafting = (draft_s * depths[:, None] if draft_rows is None
+    drafting = (draft_call_s + draft_s * depths[:, None] if draft_rows is None
                 else _drafting_seconds(order, max_k, depths, *draft_rows))
     if starts is not None:
         drafting = drafting + _prefix_sums(taken * np.where(pos == 0, starts[order // max_k],
@@ -169,12 +172,13 @@ def _may_pay(gains: np.ndarray, caps: np.ndarray, plain_s: float, draft_s: float
 
 def predicted_rate(ks: np.ndarray, gains: np.ndarray, step_s, draft_s: float,
                    miss_step: np.ndarray | None = None, draft_rows=None,
-                   fills: np.ndarray | None = None, starts: np.ndarray | None = None
-                   ) -> float:
+                   fills: np.ndarray | None = None, starts: np.ndarray | None = None,
+                   draft_call_s: float = 0.0) -> float:
     """Expected tokens per second of the batch at `ks` (`choose_ks`'s arguments)."""
     tokens = len(ks) + sum(float(g[:k].sum()) for g, k in zip(gains, ks))
     if draft_rows is None:
-        drafting = draft_s * int(ks.max(initial=0))
+        depth = int(ks.max(initial=0))
+        drafting = draft_call_s + draft_s * depth if depth else 0.0
     else:
         lags, forward_s = draft_rows
         drafting = float(forward_s(call_rows(ks.tolist(), lags.tolist())).sum())

@@ -185,19 +185,21 @@ def call_rows(ks, pending) -> list[float]:
 
 
 class DraftDepthModel:
-    """A draft model's seconds per call as d x depth + e x catch-up: d the seconds per draft
-    token of the batch (one forward each), e the seconds per token of catch-up beyond the
-    one each drafting request runs anyway (the context its draft cache lacks: a prompt, or
-    the tokens generated while it did not draft), fitted by non-negative least squares
-    (relative error) on a window of calls. A call that runs a 300-token prompt through the
-    0.5B Qwen2.5-Coder draft (int4, 2-core AMD EPYC) takes ~250 ms against ~42 ms for four
-    steady draft tokens: averaged into d, the catch-ups priced every drafting step at up to
-    five times its cost."""
+    """A draft model's seconds per call as c + d x depth + e x catch-up: c the call's fixed
+    cost (dispatch, sampling set-up), d the seconds per draft token of the batch (one
+    forward each), e the seconds per token of catch-up beyond the one each drafting request
+    runs anyway (the context its draft cache lacks: a prompt, or the tokens generated
+    while it did not draft), fitted by non-negative least squares (relative error) on a
+    window of calls. A call that runs a 300-token prompt through the 0.5B Qwen2.5-Coder
+    draft (int4, 2-core AMD EPYC) takes ~250 ms against ~42 ms for four steady draft
+    tokens: averaged into d, the catch-ups priced every drafting step at up to five times
+    its cost. Without c, d from the calls at K = 8 of probes priced tiny-moe's draft at
+    K = 1 below its fixed cost, and the policy drafted where it lost (0.84x plain)."""
 
     def __init__(self, window: int, min_calls: int) -> None:
-        self._calls: deque[tuple[float, float, float]] = deque(maxlen=window)
+        self._calls: deque[tuple[float, float, float, float]] = deque(maxlen=window)
         self.min_calls = min_calls
-        self.coef: tuple[float, float] | None = None  # (d, e) seconds
+        self.coef: tuple[float, float, float] | None = None  # (c, d, e) seconds
         self._observed = 0
         self._fitted_at = 0
 
@@ -205,7 +207,7 @@ class DraftDepthModel:
         """A call of `depth` draft tokens per request (at most) over requests whose draft
         caches lacked `catch_ups` tokens each (at least 1), that took `seconds`."""
         if depth > 0 and catch_ups and seconds > 0:
-            self._calls.append((float(depth), float(sum(catch_ups) - len(catch_ups)),
+            self._calls.append((1.0, float(depth), float(sum(catch_ups) - len(catch_ups)),
                                 seconds))
             self._observed += 1
 
@@ -219,6 +221,6 @@ class DraftDepthModel:
         if len(self._calls) >= self.min_calls and (
                 self.coef is None or self._observed - self._fitted_at >= 4):
             calls = np.array(self._calls)
-            coef, _ = _scipy().optimize.nnls(calls[:, :2] / calls[:, 2:], np.ones(len(calls)))
-            self.coef = (float(coef[0]), float(coef[1]))
+            coef, _ = _scipy().optimize.nnls(calls[:, :3] / calls[:, 3:], np.ones(len(calls)))
+            self.coef = (float(coef[0]), float(coef[1]), float(coef[2]))
             self._fitted_at = self._observed

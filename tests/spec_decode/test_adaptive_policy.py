@@ -281,7 +281,7 @@ def test_requests_held_at_zero_probe_on_the_same_step(monkeypatch):
     _calibrated(p, 0.0, 0.001)
     solves = []
     real = adaptive.choose_ks
-    monkeypatch.setattr(adaptive, "choose_ks", lambda *a: solves.append(1) or real(*a))
+    monkeypatch.setattr(adaptive, "choose_ks", lambda *a, **kw: solves.append(1) or real(*a, **kw))
     steps = [p.choose(["a"], [4], 1), p.choose(["a"], [4], 1),
              p.choose(["a", "b"], [4, 4], 2), p.choose(["a", "b"], [4, 4], 2),
              p.choose(["a", "b"], [4, 4], 2), p.choose(["a", "b", "c"], [4, 4, 0], 3)]
@@ -360,7 +360,7 @@ def _solved_at(monkeypatch, policy: AdaptivePolicy, batch: list[str], steps: int
     import specmoe.spec_decode.adaptive as adaptive
     from specmoe.spec_decode.choice import choose_ks as real
     solved, step = [], 0
-    monkeypatch.setattr(adaptive, "choose_ks", lambda *a: solved.append(step) or real(*a))
+    monkeypatch.setattr(adaptive, "choose_ks", lambda *a, **kw: solved.append(step) or real(*a, **kw))
     for step in range(1, steps + 1):
         chosen = policy.choose(batch, [4] * len(batch), len(batch))
         assert expected is None or chosen == expected
@@ -389,7 +389,7 @@ def test_a_speculating_batch_is_re_solved_every_few_steps(monkeypatch):
         p.observe_verified("a", 4, 4)
     solves = []
     real = adaptive.choose_ks
-    monkeypatch.setattr(adaptive, "choose_ks", lambda *a: solves.append(1) or real(*a))
+    monkeypatch.setattr(adaptive, "choose_ks", lambda *a, **kw: solves.append(1) or real(*a, **kw))
     chosen = [p.choose(["a"], [cap], 1)["a"] for cap in (4, 4, 2, 4)]
     assert chosen == [4, 4, 2, 4] and len(solves) == 2  # steps 1 and 4
     p.choose(["a", "b"], [4, 4], 2)
@@ -606,14 +606,14 @@ def _lags(policy, pending, remaining=None):
     gains = np.stack([policy.acceptance.gains(r) for r in "ab"[:len(pending)]])
     caps = np.full(len(pending), 4)
     return policy._drafting(["a", "b"][:len(pending)], gains, caps, pending,
-                            remaining)[1][0].tolist()
+                            remaining)["draft_rows"][0].tolist()
 
 
 def test_rows_priced_choice_predicts_its_own_rate():
     p = _rows_policy([2, 3, 2, 500, 2])
     gains = np.stack([_gains(0.9, 1)[0], _gains(0.6, 1)[0], _gains(0.3, 1)[0]])[:, :4]
-    draft_s, rows, _ = p._drafting(["x", "y", "z"], gains, np.full(3, 4), [3, 30, 300], None)
+    drafting = p._drafting(["x", "y", "z"], gains, np.full(3, 4), [3, 30, 300], None)
     step = p._step_fn(3)
-    ks, rate = choose_ks(gains, np.full(3, 4), step, draft_s, None, rows)
+    ks, rate = choose_ks(gains, np.full(3, 4), step, **drafting)
     assert ks.any()
-    assert rate == pytest.approx(predicted_rate(ks, gains, step, draft_s, None, rows))
+    assert rate == pytest.approx(predicted_rate(ks, gains, step, **drafting))

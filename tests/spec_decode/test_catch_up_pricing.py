@@ -12,11 +12,12 @@ from specmoe.spec_decode.adaptive import AdaptivePolicy, AdaptiveSettings
 from specmoe.spec_decode.choice import choose_ks, predicted_rate
 from specmoe.spec_decode.time_models import DraftDepthModel
 
-PER_DEPTH, PER_TOKEN = 0.010, 0.0008  # a draft token of the batch; a catch-up token
+# a call's fixed cost; a draft token of the batch; a catch-up token
+PER_CALL, PER_DEPTH, PER_TOKEN = 0.002, 0.010, 0.0008
 
 
 def _call_s(depth: int, catch_ups: list[int]) -> float:
-    return PER_DEPTH * depth + PER_TOKEN * (sum(catch_ups) - len(catch_ups))
+    return PER_CALL + PER_DEPTH * depth + PER_TOKEN * (sum(catch_ups) - len(catch_ups))
 
 
 def test_the_depth_model_separates_steady_drafting_from_catch_ups():
@@ -25,7 +26,7 @@ def test_the_depth_model_separates_steady_drafting_from_catch_ups():
                              (3, [1, 1, 1]), (4, [1, 700])]:
         m.observe(depth, catch_ups, _call_s(depth, catch_ups))
     m.refresh()
-    assert m.coef == pytest.approx((PER_DEPTH, PER_TOKEN), rel=1e-6)
+    assert m.coef == pytest.approx((PER_CALL, PER_DEPTH, PER_TOKEN), rel=1e-6)
 
 
 def test_no_fit_before_min_calls_and_empty_calls_are_ignored():
@@ -66,12 +67,12 @@ def test_a_resuming_catch_up_is_spread_over_the_steps_left_at_most_the_horizon()
     gains = np.stack([p.acceptance.gains("a"), p.acceptance.gains("b")])
     caps = np.array([4, 4])
     per_step = 1.0 + gains.sum(axis=1)
-    _, _, starts = p._drafting(["a", "b"], gains, caps, [301, 301], [20, 10_000])
+    starts = p._drafting(["a", "b"], gains, caps, [301, 301], [20, 10_000])["starts"]
     assert starts == pytest.approx(
         [PER_TOKEN * 300 / (20 / per_step[0]), PER_TOKEN * 300 / 16], rel=1e-3)
     # drafting on the previous step: its catch-up recurs on every step, in full
     p._previous = {"a": 2}
-    _, _, starts = p._drafting(["a", "b"], gains, caps, [3, 301], None)
+    starts = p._drafting(["a", "b"], gains, caps, [3, 301], None)["starts"]
     assert starts == pytest.approx([PER_TOKEN * 2, PER_TOKEN * 300 / 16], rel=1e-3)
 
 
@@ -107,3 +108,16 @@ def test_requests_draft_their_own_k_until_the_drafting_model_is_fitted():
         q.observe_step(rows, 0.030)
     q.observe_draft(4, 0.001)
     assert q.calibrated
+
+
+def test_a_calls_fixed_cost_is_paid_once_where_any_request_drafts():
+    gains = np.tile(0.5 ** np.arange(1, 5), (2, 1))  # 1.875 expected tokens from K = 4
+    step = lambda drafts, misses, var=None: np.full(np.shape(drafts), 0.010)  # noqa: E731
+    ks, rate = choose_ks(gains, np.full(2, 4), step, 0.001)
+    assert ks.any()
+    assert rate == pytest.approx(predicted_rate(ks, gains, step, 0.001))
+    cheap_ks, cheap = choose_ks(gains, np.full(2, 4), step, 0.001, draft_call_s=0.002)
+    assert cheap == pytest.approx(predicted_rate(cheap_ks, gains, step, 0.001,
+                                                 draft_call_s=0.002)) and cheap < rate
+    off, plain = choose_ks(gains, np.full(2, 4), step, 0.001, draft_call_s=0.012)
+    assert not off.any() and plain == pytest.approx(2 / 0.010)
