@@ -76,5 +76,11 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_tokens_left(self) -> int:
+        """The most tokens the request may still generate: max_tokens less those
+        generated."""
+        return self.params.max_tokens - len(self.output_token_ids)
+
+    @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None

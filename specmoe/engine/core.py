@@ -308,8 +308,7 @@ class EngineCore:
             return own
         return self.policy.choose(list(own), list(own.values()), len(live),
                                   lambda: self._pending_tokens(live),
-                                  lambda: [req.params.max_tokens - len(req.output_token_ids)
-                                           for req in live])
+                                  lambda: [req.num_tokens_left for req in live])
 
     def _leased_step(self, reqs: list[Request], windows: list[int], seconds: float) -> bool:
         """Whether this step is one the adaptive policy leased (`IdleLease`): every
@@ -359,7 +358,7 @@ class EngineCore:
     def _own_k(self, req: Request) -> int:
         """The most tokens `req` may draft next: its K, within max_tokens and the context."""
         return max(0, min(req.num_speculative_tokens,
-                          req.params.max_tokens - len(req.output_token_ids) - 1,
+                          req.num_tokens_left - 1,
                           self.target.max_model_len - req.num_tokens - 1))
 
     def _propose(self, reqs: list[Request], ks: dict[str, int]) -> None:

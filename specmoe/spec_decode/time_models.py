@@ -27,6 +27,37 @@ def _scipy():
     return scipy
 
 
+def _relative_nnls(feats: np.ndarray, secs: np.ndarray) -> np.ndarray:
+    """Non-negative weights w minimising the relative error of feats @ w against secs
+    ([n, f], [n] -> [f]): a long prefill or catch-up must not outweigh a hundred short
+    steps."""
+    return _scipy().optimize.nnls(feats / secs[:, None], np.ones_like(secs))[0]
+
+
+class _CallWindow:
+    """The recent calls a drafting model is fitted on: the first fit once `min_calls` are
+    in, then one after every 4 more."""
+
+    def __init__(self, window: int, min_calls: int) -> None:
+        self._calls: deque = deque(maxlen=window)
+        self.min_calls = min_calls
+        self.coef = None
+        self._observed = 0
+        self._fitted_at = 0
+
+    def _record(self, call: tuple) -> None:
+        self._calls.append(call)
+        self._observed += 1
+
+    def _fit_due(self) -> bool:
+        """Whether `refresh` should fit now (and count the fit as made)."""
+        if len(self._calls) < self.min_calls or (
+                self.coef is not None and self._observed - self._fitted_at < 4):
+            return False
+        self._fitted_at = self._observed
+        return True
+
+
 _HINGES = np.array((1.0, 2.0) + KNOTS)  # the ramp's two hinges, then the knots
 
 
@@ -95,11 +126,8 @@ class StepTimeModel:
             self._fit()
 
     def _fit(self) -> None:
-        nnls = _scipy().optimize.nnls
         rows, secs, frac = np.array(self._steps, dtype=float).T
-        feats = _row_features(rows, frac if self.moe else None)
-        # relative error: a long prefill step must not outweigh a hundred decode steps
-        self.coef, _ = nnls(feats / secs[:, None], np.ones_like(secs))
+        self.coef = _relative_nnls(_row_features(rows, frac if self.moe else None), secs)
         self._fitted_at = self._observed
         # a fit on large steps alone may put every weight on the hinges, predicting 0 s
         # for a few rows; no step runs faster than half the fastest one seen
@@ -132,7 +160,7 @@ class StepTimeModel:
         return np.maximum(feats @ self.coef, self._floor)
 
 
-class DraftTimeModel:
+class DraftTimeModel(_CallWindow):
     """A draft model's seconds per forward as an increasing piecewise-linear function of its
     rows (the features of `StepTimeModel`), fitted by non-negative least squares
     (relative error) on whole drafting calls: a call's features are the sum of its
@@ -140,30 +168,20 @@ class DraftTimeModel:
     each later one over the requests still drafting)."""
 
     def __init__(self, window: int, min_calls: int) -> None:
-        self._calls: deque[tuple[np.ndarray, float, int]] = deque(maxlen=window)
-        self.min_calls = min_calls
-        self.coef: np.ndarray | None = None
-        self._observed = 0
-        self._fitted_at = 0
+        super().__init__(window, min_calls)  # calls: (summed features, seconds, forwards)
         self._floor = 0.0  # least seconds a forward may be predicted to take
 
     def observe(self, forward_rows: list[int], seconds: float) -> None:
         """A drafting call that ran forwards of these rows in `seconds`."""
-        if not forward_rows or seconds <= 0:
-            return
-        self._calls.append((_row_features(forward_rows).sum(axis=0), seconds,
-                            len(forward_rows)))
-        self._observed += 1
+        if forward_rows and seconds > 0:
+            self._record((_row_features(forward_rows).sum(axis=0), seconds,
+                          len(forward_rows)))
 
     def refresh(self) -> None:
         """Fit once `min_calls` calls are in, then again after every 4 more."""
-        if len(self._calls) >= self.min_calls and (
-                self.coef is None or self._observed - self._fitted_at >= 4):
-            nnls = _scipy().optimize.nnls
+        if self._fit_due():
             feats = np.stack([f for f, _, _ in self._calls])
-            secs = np.array([t for _, t, _ in self._calls])
-            self.coef, _ = nnls(feats / secs[:, None], np.ones_like(secs))
-            self._fitted_at = self._observed
+            self.coef = _relative_nnls(feats, np.array([t for _, t, _ in self._calls]))
             self._floor = 0.5 * float(min(t / n for _, t, n in self._calls))
 
     def forward_s(self, rows) -> np.ndarray:
@@ -184,7 +202,7 @@ def call_rows(ks, pending) -> list[float]:
     return [float(first)] + [float(sum(1 for k in ks if k > j)) for j in range(1, depth)]
 
 
-class DraftDepthModel:
+class DraftDepthModel(_CallWindow):
     """A draft model's seconds per call as c + d x depth + e x catch-up: c the call's fixed
     cost (dispatch, sampling set-up), d the seconds per draft token of the batch (one
     forward each), e the seconds per token of catch-up beyond the one each drafting request
@@ -196,20 +214,14 @@ class DraftDepthModel:
     its cost. Without c, d from the calls at K = 8 of probes priced tiny-moe's draft at
     K = 1 below its fixed cost, and the policy drafted where it lost (0.84x plain)."""
 
-    def __init__(self, window: int, min_calls: int) -> None:
-        self._calls: deque[tuple[float, float, float, float]] = deque(maxlen=window)
-        self.min_calls = min_calls
-        self.coef: tuple[float, float, float] | None = None  # (c, d, e) seconds
-        self._observed = 0
-        self._fitted_at = 0
+    coef: tuple[float, float, float] | None  # (c, d, e) seconds
 
     def observe(self, depth: int, catch_ups: list[int], seconds: float) -> None:
         """A call of `depth` draft tokens per request (at most) over requests whose draft
         caches lacked `catch_ups` tokens each (at least 1), that took `seconds`."""
         if depth > 0 and catch_ups and seconds > 0:
-            self._calls.append((1.0, float(depth), float(sum(catch_ups) - len(catch_ups)),
-                                seconds))
-            self._observed += 1
+            self._record((1.0, float(depth), float(sum(catch_ups) - len(catch_ups)),
+                          seconds))
 
     @property
     def enough_calls(self) -> bool:
@@ -218,9 +230,7 @@ class DraftDepthModel:
 
     def refresh(self) -> None:
         """Fit once `min_calls` calls are in, then again after every 4 more."""
-        if len(self._calls) >= self.min_calls and (
-                self.coef is None or self._observed - self._fitted_at >= 4):
+        if self._fit_due():
             calls = np.array(self._calls)
-            coef, _ = _scipy().optimize.nnls(calls[:, :3] / calls[:, 3:], np.ones(len(calls)))
-            self.coef = (float(coef[0]), float(coef[1]), float(coef[2]))
-            self._fitted_at = self._observed
+            c, d, e = _relative_nnls(calls[:, :3], calls[:, 3]).tolist()
+            self.coef = (c, d, e)
