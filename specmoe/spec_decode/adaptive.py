@@ -52,6 +52,14 @@ second (the choice in `spec_decode.choice`, the time models in `spec_decode.time
   prompts in steps of their own). SmolLM2 with prompt lookup on half code, half
   translation prompts at eight requests: speculating raised the tokens per second of full
   decode steps by 1-5% and lowered the whole run's by 2-4%.
+- A realized check (`realized_check`, `spec_decode.realized`): per batch size, the tokens
+  per second that the steps run as a solve chose them realized (their forward and the
+  drafting call before it, catch-ups included), against the rate the solve predicted,
+  relative to the same on the steps without drafts; where speculation realized a share f
+  of its predicted rate, a choice must predict (1 + min_gain) / f. Where the gain is thin
+  what the model leaves out decides it: a request that resumes drafting pays its whole
+  catch-up at once and may stop a few steps later, and a first accepted draft reads as a
+  high acceptance.
 - Hysteresis: the previous step's Ks stay unless the new choice is predicted `hysteresis`
   faster. Re-probing: after `probe_every` steps in which some request is held at K = 0, all
   such requests draft their own K (at most K_max) on the same step: a probe of one token
@@ -109,6 +117,7 @@ from typing import Callable, Union
 import numpy as np
 
 from specmoe.spec_decode.choice import choose_ks, predicted_rate
+from specmoe.spec_decode.realized import RealizedGain
 from specmoe.spec_decode.routing_overlap import miss_log, unique_fraction
 from specmoe.spec_decode.time_models import DraftDepthModel, DraftTimeModel, StepTimeModel
 
@@ -117,11 +126,13 @@ class _Held:
     """A solve's Ks per request, kept while its requests run (some may have left; none
     joined, no probe between) until `every` steps have passed."""
 
-    __slots__ = ("ks", "every", "steps", "idle")
+    __slots__ = ("ks", "every", "steps", "idle", "expected")
 
-    def __init__(self, batch: list[str], ks: list[int], every: int) -> None:
+    def __init__(self, batch: list[str], ks: list[int], every: int,
+                 expected: tuple[float, float] | None = None) -> None:
         self.ks, self.every, self.steps = dict(zip(batch, ks)), every, 1
         self.idle = not any(ks)  # speculation off for the whole batch
+        self.expected = expected  # a speculating step's predicted (tokens, seconds)
 
     def holds(self, batch: list[str]) -> bool:
         return self.steps < self.every and all(r in self.ks for r in batch)
@@ -171,6 +182,9 @@ class AdaptiveSettings:
     num_experts: int = 0  # a MoE target's routed experts N and top-k (0: dense)
     top_k: int = 0
     overlap_prior: float = 0.4  # adjacent-token overlap until one is measured
+    realized_check: bool = True  # ask more gain where speculation realized less (`realized`)
+    realized_window: int = 64  # steps the realized sums decay over
+    realized_prior_steps: float = 8.0
 
     @property
     def is_moe(self) -> bool:
@@ -310,9 +324,17 @@ class AdaptivePolicy:
         self._held: _Held | None = None  # the last solve's choice while its batch runs
         self._idle_steps = 0  # steps observed while held at K = 0
         self.lease: IdleLease | None = None
+        self.realized = RealizedGain(settings.realized_window, settings.realized_prior_steps)
+        # the next step's batch size and, where it speculates as a solve chose, the
+        # predicted (tokens, seconds) (None: it does not); None: a probe, or uncalibrated
+        self._expect: tuple[int, tuple[float, float] | None] | None = None
+        self._step_drafted = self._step_accepted = 0  # the step's verified drafts
+        self._draft_call_s = 0.0  # the drafting call before the step
 
     def observe_verified(self, request_id: str, drafted: int, accepted: int) -> None:
         self.acceptance.observe(request_id, drafted, accepted)
+        self._step_drafted += drafted
+        self._step_accepted += accepted
 
     def observe_proposed(self, request_id: str, allowed: int, proposed: int) -> None:
         """The proposer drafted `proposed` of the `allowed` tokens asked for."""
@@ -333,15 +355,26 @@ class AdaptivePolicy:
                 self._elapsed_s += seconds
                 return None
         self._elapsed_s += seconds
-        return self._timed(rows, seconds, windows or [rows])
+        windows = windows or [rows]
+        expect = self._expect
+        if (expect is not None and expect[1] is not None and len(windows) == expect[0]
+                and rows == expect[0] + self._step_drafted):  # decode only, as chosen
+            self.realized.observe_on(expect[0], expect[0] + self._step_accepted,
+                                     seconds + self._draft_call_s, *expect[1])
+        return self._timed(rows, seconds, windows)
 
     def _timed(self, rows: int, seconds: float, windows: list[int]) -> float | None:
-        """Add a step's timing to the time model; the relative error of its prediction
-        from the last fit (None before the first fit)."""
+        """Add a step's timing to the time model, and to the realized sums where it
+        decoded one token per request, held at K = 0; the relative error of its
+        prediction from the last fit (None before the first fit)."""
         frac = self.unique_fraction(windows)
         predicted = self.step_time.predict_one(rows, frac)
         self.step_time.observe(rows, seconds, frac)
-        return None if predicted is None else abs(predicted - seconds) / seconds
+        if predicted is None:
+            return None
+        if self._expect == (rows, None) and len(windows) == rows:
+            self.realized.observe_off(rows, seconds, predicted)
+        return abs(predicted - seconds) / seconds
 
     def observe_overlap(self, overlap: float) -> None:
         """An adjacent-token routing overlap measured on a sampled step (MoE targets)."""
@@ -373,6 +406,7 @@ class AdaptivePolicy:
             self._draft_obs += 1
             self.draft_s = _running_mean(self.draft_s, self._draft_obs, seconds / depth)
         self._elapsed_s += seconds
+        self._draft_call_s = seconds
         if self._probed:
             self._probe_cost_s = seconds
         if forward_rows:
@@ -388,6 +422,8 @@ class AdaptivePolicy:
         step is a cost of its own on a target whose steps take a millisecond);
         `remaining`: likewise, the most tokens each request may still generate (its
         max_tokens less those generated; None: `catch_up_horizon` steps)."""
+        self._step_drafted = self._step_accepted = 0
+        self._draft_call_s, self._expect = 0.0, None
         if not request_ids:
             return {}
         if not self.calibrated:  # the requests' own K
@@ -399,6 +435,7 @@ class AdaptivePolicy:
             held.steps += 1
             if held.idle and any(caps) and not self._probe_due():
                 self._since_probe += 1  # `_probe`'s count, without its lists
+                self._expect = (len(request_ids), None)
                 return dict.fromkeys(request_ids, 0)
             ks = [min(held.ks[r], c) for r, c in zip(request_ids, caps)]
             return self._keep(request_ids, ks, caps, pending)
@@ -467,8 +504,16 @@ class AdaptivePolicy:
 
     def _keep(self, request_ids: list[str], ks: list[int], caps: list[int],
               pending: Pending = None) -> dict[str, int]:
-        """The chosen Ks with this step's probes, remembered for the hysteresis."""
+        """The chosen Ks with this step's probes, remembered for the hysteresis; what
+        the step is expected to realize (`_expect`)."""
         self._previous = dict(zip(request_ids, self._probe(request_ids, ks, caps, pending)))
+        held = self._held
+        if self._probed:
+            self._expect = None
+        elif not any(ks):
+            self._expect = (len(ks), None)
+        elif held.expected is not None and held.ks == self._previous:
+            self._expect = (len(ks), held.expected)
         return dict(self._previous)
 
     def _solve(self, request_ids: list[str], caps_a: np.ndarray, base_rows: int,
@@ -478,15 +523,23 @@ class AdaptivePolicy:
         step_s, miss = self._step_fn(base_rows), self._miss()
         gains, fills = map(np.stack, zip(*(self.acceptance.slots(r) for r in request_ids)))
         drafting = self._drafting(request_ids, gains, caps_a, pending, remaining)
+        realized = self.realized.factor(len(request_ids)) if self.s.realized_check else 1.0
         ks, rate = choose_ks(gains, caps_a, step_s, miss_step=miss, fills=fills,
-                             min_gain=self.s.min_gain, **drafting)
+                             min_gain=(1 + self.s.min_gain) / realized - 1, **drafting)
         prev = np.array([min(self._previous.get(r, k), c) for r, k, c
                          in zip(request_ids, ks, caps_a)], dtype=np.int64)
-        if (prev != ks).any() and rate <= predicted_rate(
-                prev, gains, step_s, miss_step=miss, fills=fills, **drafting) * (
-                1 + self.s.hysteresis):
-            ks = prev
-        self._held = _Held(request_ids, ks.tolist(), self._hold_for(request_ids, ks))
+        if (prev != ks).any():
+            prev_rate = predicted_rate(prev, gains, step_s, miss_step=miss, fills=fills,
+                                       **drafting)
+            if rate * (realized if ks.any() else 1.0) <= prev_rate * (
+                    realized if prev.any() else 1.0) * (1 + self.s.hysteresis):
+                ks, rate = prev, prev_rate
+        expected = None
+        if ks.any():
+            tokens = len(ks) + float(gains[np.arange(gains.shape[1]) < ks[:, None]].sum())
+            expected = (tokens, tokens / rate)
+        self._held = _Held(request_ids, ks.tolist(), self._hold_for(request_ids, ks),
+                           expected)
         return ks
 
     def _hold_for(self, request_ids: list[str], ks: np.ndarray) -> int:
