@@ -101,6 +101,7 @@ class EngineSnapshot:
         num_step_time_predictions: steps whose time the adaptive policy predicted.
         recent_step_time_errors: the relative errors of the latest predictions (at most
             `stats.STEP_ERRORS_KEPT`), newest last.
+        realized_gain_factors: `EngineStats.realized_gain_factors`.
     """
 
     num_running: int
@@ -118,6 +119,7 @@ class EngineSnapshot:
     draft_k_histogram: dict[int, int] = field(default_factory=dict)
     num_step_time_predictions: int = 0
     recent_step_time_errors: tuple[float, ...] = ()
+    realized_gain_factors: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -495,7 +497,8 @@ class AsyncEngine:
             num_steps=engine.stats.num_steps,
             draft_k_histogram=dict(engine.stats.draft_k_histogram),
             num_step_time_predictions=engine.stats.num_step_time_predictions,
-            recent_step_time_errors=_newest(engine.stats.step_time_errors, 8)))
+            recent_step_time_errors=_newest(engine.stats.step_time_errors, 8),
+            realized_gain_factors=dict(engine.stats.realized_gain_factors)))
 
     @staticmethod
     def _safe_observe(fn, arg) -> None:

@@ -92,6 +92,8 @@ class EngineCore:
         self.kv_cache = target.new_paged_cache(num_kv_blocks, scheduler_config.block_size)
         self.scheduler = Scheduler(scheduler_config, num_kv_blocks, target.max_model_len)
         self.stats = EngineStats()
+        if self.policy is not None:  # the policy's own dict: nothing to copy per step
+            self.stats.realized_gain_factors = self.policy.realized.factors
         # Fewer threads while other processes hold cores (specmoe/utils/threads.py).
         self.thread_governor = make_thread_governor(torch.set_num_threads,
                                                     torch.get_num_threads())

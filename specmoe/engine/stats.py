@@ -65,6 +65,9 @@ class EngineStats:
             STEP_ERRORS_KEPT predicted steps (a server runs for days; the steps of an idle
             lease, `AdaptivePolicy.grant_lease`, count once, at their mean).
         num_step_time_predictions: predicted steps since start (every error ever appended).
+        realized_gain_factors: batch size -> the share of its predicted rate that the
+            adaptive policy's speculation realized there, as its last choice at that size
+            applied it (`spec_decode.realized`; 1: as predicted or better, or no data).
         last_step: the most recent step's counters.
     """
 
@@ -81,6 +84,7 @@ class EngineStats:
     step_time_errors: deque[float] = field(
         default_factory=lambda: deque(maxlen=STEP_ERRORS_KEPT))
     num_step_time_predictions: int = 0
+    realized_gain_factors: dict[int, float] = field(default_factory=dict)
     last_step: StepStats | None = None
 
     def record_step_time_error(self, error: float) -> None:
@@ -120,6 +124,7 @@ class EngineStats:
             "draft_k_histogram": dict(sorted(self.draft_k_histogram.items())),
             "step_time_prediction_median_error": (statistics.median(self.step_time_errors)
                                                   if self.step_time_errors else None),
+            "realized_gain_factors": dict(sorted(self.realized_gain_factors.items())),
             "last_step": asdict(self.last_step) if self.last_step else None,
         }
         if prefix_cache_hit_rate is not None:

@@ -30,12 +30,13 @@ import numpy as np
 class RealizedGain:
     """Decayed sums per batch size B: [tokens, seconds, predicted tokens, predicted seconds,
     steps] of speculating steps and [seconds, predicted seconds, steps] of steps without
-    drafts."""
+    drafts; `factors`: per batch size, the factor a choice last applied (for the stats)."""
 
     def __init__(self, window: int = 64, prior_steps: float = 8.0) -> None:
         self.decay, self.prior_steps = 1.0 - 1.0 / window, prior_steps
         self._on: dict[int, np.ndarray] = {}
         self._off: dict[int, np.ndarray] = {}
+        self.factors: dict[int, float] = {}  # batch size -> the factor last applied
 
     def observe_on(self, batch: int, tokens: float, seconds: float,
                    predicted_tokens: float, predicted_seconds: float) -> None:
@@ -70,7 +71,8 @@ class RealizedGain:
         if off is not None and off[0] > 0 and off[1] > 0:
             raw *= off[0] / off[1]
         weight = steps / (steps + self.prior_steps)
-        return float(min(1.0, 1.0 + weight * (raw - 1.0)))
+        self.factors[batch] = f = float(min(1.0, 1.0 + weight * (raw - 1.0)))
+        return f
 
     def min_gain(self, batch: int, min_gain: float) -> float:
         """The gain over no speculation a choice at `batch` requests must predict so that it

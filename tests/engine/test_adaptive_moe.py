@@ -143,3 +143,30 @@ def test_idle_leases_skip_the_policy_and_keep_outputs_and_counts():
     assert sum(leased) > len(live) // 2
     hist = core.stats.draft_k_histogram
     assert sum(hist.values()) == sum(live) and hist[0] > sum(live) // 2
+
+
+def test_speculating_steps_feed_the_realized_check_and_the_stats():
+    """Steps run as the policy chose them reach the realized check with the tokens they
+    emitted (one and the accepted drafts) and the seconds of their forward and drafting;
+    the factor its choices applied is in the engine's stats. (A negative margin keeps
+    the policy speculating on the tiny draft.)"""
+    import dataclasses
+    plain = LLM("tiny-moe", dtype="float32")
+    spec = plain.with_speculative({"method": "draft", "draft_model": "tiny-moe-draft",
+                                   "num_speculative_tokens": 4, "policy": "adaptive"})
+    policy = spec.engine.policy
+    policy.s = dataclasses.replace(policy.s, min_gain=-0.9)
+    seen = []
+    observe_on = policy.realized.observe_on
+    policy.realized.observe_on = lambda *a: seen.append(a) or observe_on(*a)
+    prompts = [[5 + i, 17, 42, 99, 7 + i] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    got = [spec.generate([p], params)[0].token_ids for p in prompts]  # one request
+    assert got == expected
+    assert len(seen) >= 8
+    for batch, tokens, seconds, p_tokens, p_seconds in seen:
+        assert batch == 1 and 1 <= tokens <= 5 and seconds > 0
+        assert 1 < p_tokens <= 5 and p_seconds > 0
+    factors = spec.engine.stats.to_dict()["realized_gain_factors"]
+    assert set(factors) == {1} and 0 < factors[1] <= 1

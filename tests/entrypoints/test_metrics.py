@@ -85,7 +85,8 @@ def test_policy_metrics_follow_snapshots():
                       num_step_time_predictions=1, recent_step_time_errors=(0.5,)))
     m.on_step(replace(snap, num_steps=5, draft_k_histogram={0: 1, 4: 3},
                       num_step_time_predictions=3,
-                      recent_step_time_errors=(0.5, 0.02, 0.04)))
+                      recent_step_time_errors=(0.5, 0.02, 0.04),
+                      realized_gain_factors={1: 0.75, 4: 1.0}))
     m.on_finished(FinishedRecord(10, 5, "length", 0.5, 1.3, acceptance_rate=0.75))
     m.on_finished(FinishedRecord(10, 5, "length", 0.5, 1.3))  # drafted nothing
 
@@ -100,6 +101,8 @@ def test_policy_metrics_follow_snapshots():
     assert one("specmoe:spec_decode_step_time_prediction_error_sum") == pytest.approx(0.56)
     assert one("specmoe:spec_decode_request_acceptance_rate_count") == 1
     assert one("specmoe:spec_decode_request_acceptance_rate_sum") == 0.75
+    assert one("specmoe:spec_decode_realized_gain_factor", batch_size="1") == 0.75
+    assert one("specmoe:spec_decode_realized_gain_factor", batch_size="4") == 1.0
 
 
 def test_dense_model_has_no_expert_load():

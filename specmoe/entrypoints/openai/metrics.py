@@ -2,7 +2,9 @@
 clash). Names follow vLLM's (`vllm:` -> `specmoe:`) where vLLM has one.
 
 Gauges: specmoe:num_requests_running, specmoe:num_requests_waiting, specmoe:kv_cache_usage_perc,
-specmoe:kv_cache_blocks_used, specmoe:kv_cache_blocks_total, specmoe:num_requests_in_flight.
+specmoe:kv_cache_blocks_used, specmoe:kv_cache_blocks_total, specmoe:num_requests_in_flight,
+specmoe:spec_decode_realized_gain_factor{batch_size} (the share of its predicted rate that the
+adaptive policy's speculation realized at that batch size, `spec_decode.realized`).
 Counters (exposed with a `_total` suffix): specmoe:prefix_cache_queries / _hits (tokens),
 specmoe:num_preemptions, specmoe:prompt_tokens, specmoe:generation_tokens,
 specmoe:request_success{finished_reason}, specmoe:spec_decode_num_drafts,
@@ -75,6 +77,10 @@ class ServerMetrics(NullEngineObserver):
         self.kv_usage = g("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
         self.kv_used = g("kv_cache_blocks_used", "KV cache blocks in use.")
         self.kv_total = g("kv_cache_blocks_total", "KV cache blocks in the pool.")
+        self.realized = Gauge(P + "spec_decode_realized_gain_factor", "Share of its "
+                              "predicted rate that the adaptive policy's speculation "
+                              "realized, per batch size (1: as predicted or better).",
+                              labels + ["batch_size"], registry=r)
         self.prefix_queries = c("prefix_cache_queries", "Prefix-cache queried tokens.")
         self.prefix_hits = c("prefix_cache_hits", "Prefix-cache hit tokens.")
         self.preemptions = c("num_preemptions", "Requests preempted.")
@@ -176,7 +182,10 @@ class ServerMetrics(NullEngineObserver):
             self.expert_parallel.on_step(counts)
 
     def _record_policy(self, s: EngineSnapshot, last: EngineSnapshot | None) -> None:
-        """The K histogram and the step-time prediction errors since the last snapshot."""
+        """The K histogram and the step-time prediction errors since the last snapshot;
+        the realized gain factors."""
+        for batch, factor in s.realized_gain_factors.items():
+            self.realized.labels(self.model_name, str(batch)).set(factor)
         before = last.draft_k_histogram if last else {}
         for k, n in s.draft_k_histogram.items():
             for _ in range(n - before.get(k, 0)):
