@@ -16,11 +16,11 @@ without drafts (so that a bias the step-time model has at every row count cancel
                 over speculating steps of B requests
               / (sum predicted seconds / sum seconds) over steps of B requests without drafts
 
-A choice predicted g faster than none then realizes about g x factor, so the policy asks
-(1 + min_gain) / factor of it (`min_gain`). The factor is capped at 1 (a guard: it never
-makes speculation look better than predicted) and shrunk towards 1 by `prior_steps` pseudo
-steps, since a step's tokens are one draw of its acceptance. The sums decay by 1 / `window`
-a step, so the factor follows the recent steps of each batch size."""
+A choice predicted (1 + g) times none's rate then realizes about (1 + g) x factor times
+it, so the policy asks (1 + min_gain) / factor of its predictions. The factor is capped at
+1 (a guard: it never makes speculation look better than predicted) and shrunk towards 1 by
+`prior_steps` pseudo steps, since a step's tokens are one draw of its acceptance. The sums
+decay by 1 / `window` a step, so the factor follows the recent steps of each batch size."""
 
 from __future__ import annotations
 
@@ -73,8 +73,3 @@ class RealizedGain:
         weight = steps / (steps + self.prior_steps)
         self.factors[batch] = f = float(min(1.0, 1.0 + weight * (raw - 1.0)))
         return f
-
-    def min_gain(self, batch: int, min_gain: float) -> float:
-        """The gain over no speculation a choice at `batch` requests must predict so that it
-        realizes `min_gain`."""
-        return (1.0 + min_gain) / self.factor(batch) - 1.0
