@@ -319,10 +319,9 @@ class RunRecorder:
     `wave` calls only (the target is shared with the other modes' engines)."""
 
     def __init__(self, llm, concurrency: int) -> None:
-        from specmoe.engine.stats import EngineStats
         self.llm, self.concurrency = llm, concurrency
         core = llm.engine
-        core.stats = EngineStats()
+        core.reset_stats()
         llm.reset_prefix_cache()
         self._prefix = core.scheduler.kv_cache.block_pool.prefix_cache_stats
         self._queried, self._hit = self._prefix.num_query_tokens, self._prefix.num_hit_tokens

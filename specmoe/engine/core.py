@@ -91,9 +91,7 @@ class EngineCore:
                                 if self.policy is not None and self.policy.s.is_moe else None)
         self.kv_cache = target.new_paged_cache(num_kv_blocks, scheduler_config.block_size)
         self.scheduler = Scheduler(scheduler_config, num_kv_blocks, target.max_model_len)
-        self.stats = EngineStats()
-        if self.policy is not None:  # the policy's own dict: nothing to copy per step
-            self.stats.realized_gain_factors = self.policy.realized.factors
+        self.reset_stats()
         # Fewer threads while other processes hold cores (specmoe/utils/threads.py).
         self.thread_governor = make_thread_governor(torch.set_num_threads,
                                                     torch.get_num_threads())
@@ -123,6 +121,13 @@ class EngineCore:
             req.finish_reason = req.finish_reason or "abort"
             self._forget(request_id)
         return req
+
+    def reset_stats(self) -> None:
+        """Zero the counters (`stats`); its realized gain factors stay the adaptive policy's
+        own dict (state, not counters: nothing to copy per step)."""
+        self.stats = EngineStats()
+        if self.policy is not None:
+            self.stats.realized_gain_factors = self.policy.realized.factors
 
     @property
     def has_unfinished_requests(self) -> bool:
