@@ -24,18 +24,18 @@ decay by 1 / `window` a step, so the factor follows the recent steps of each bat
 
 from __future__ import annotations
 
-import numpy as np
-
 
 class RealizedGain:
     """Decayed sums per batch size B: [tokens, seconds, predicted tokens, predicted seconds,
     steps] of speculating steps and [seconds, predicted seconds, steps] of steps without
-    drafts; `factors`: per batch size, the factor a choice last applied (for the stats)."""
+    drafts (plain lists: they grow on every step, where numpy's per-call cost on five
+    floats would exceed the arithmetic); `factors`: per batch size, the factor a choice
+    last applied (for the stats)."""
 
     def __init__(self, window: int = 64, prior_steps: float = 8.0) -> None:
         self.decay, self.prior_steps = 1.0 - 1.0 / window, prior_steps
-        self._on: dict[int, np.ndarray] = {}
-        self._off: dict[int, np.ndarray] = {}
+        self._on: dict[int, list[float]] = {}
+        self._off: dict[int, list[float]] = {}
         self.factors: dict[int, float] = {}  # batch size -> the factor last applied
 
     def observe_on(self, batch: int, tokens: float, seconds: float,
@@ -50,18 +50,14 @@ class RealizedGain:
         `predicted_seconds` by the step-time model."""
         self._add(self._off, batch, (seconds, predicted_seconds, 1.0))
 
-    def _add(self, table: dict[int, np.ndarray], batch: int, values: tuple) -> None:
+    def _add(self, table: dict[int, list[float]], batch: int, values: tuple) -> None:
         sums = table.get(batch)
-        if sums is None:
-            table[batch] = np.array(values, dtype=float)
-        else:
-            sums *= self.decay
-            sums += values
+        table[batch] = (list(values) if sums is None else
+                        [self.decay * s + v for s, v in zip(sums, values)])
 
     def factor(self, batch: int) -> float:
-        """In (0, 1]: the share of its predicted gain over no speculation that speculation
-        realizes at `batch` requests (module docstring); 1 until speculating steps of that
-        size are seen."""
+        """In (0, 1]: the share of its predicted rate that speculation realizes at `batch`
+        requests (module docstring); 1 until speculating steps of that size are seen."""
         on = self._on.get(batch)
         if on is None or on[1] <= 0 or on[2] <= 0:
             return 1.0
