@@ -285,6 +285,8 @@ class SpeculativeConfig:
             `spec_decode.time_models.DraftDepthModel`) or "rows" (each draft forward by its
             rows, `DraftTimeModel`; experimental); either way a starting request's
             catch-up is spread over the steps it may still draft for.
+        match_trim: whether the "adaptive" policy cuts each prompt-lookup proposal to the
+            drafts worth their rows given its match length (`spec_decode.match_trim`).
     """
 
     method: str
@@ -297,6 +299,7 @@ class SpeculativeConfig:
     policy: str = "static"
     batch_size_table: dict | None = None
     draft_cost: str = "per_depth"
+    match_trim: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -324,6 +327,8 @@ class SpeculativeConfig:
         if self.draft_cost not in DRAFT_COSTS:
             raise ValueError(f"invalid draft_cost={self.draft_cost!r}: must be one of "
                              f"{DRAFT_COSTS}")
+        if not isinstance(self.match_trim, bool):
+            raise ValueError(f"invalid match_trim={self.match_trim!r}: must be true or false")
         if (self.policy == "batch_size_table") != (self.batch_size_table is not None):
             raise ValueError("speculative policy 'batch_size_table' and batch_size_table go "
                              f"together (policy={self.policy!r}, batch_size_table="

@@ -53,8 +53,8 @@ class ThroughputBenchConfig:
             this many requests run (`SpeculativeConfig.disable_by_batch_size`; None: never).
         policies: speculative modes by policy, each against plain in the same sweep:
             "static:K" (every request drafts K), "table" (`batch_size_table`),
-            "adaptive" (`SpeculativeConfig.policy`) and "adaptive:rows" (adaptive with
-            `draft_cost` "rows"); empty: the one mode "spec" (static
+            "adaptive" (`SpeculativeConfig.policy`), "adaptive:rows" (adaptive with
+            `draft_cost` "rows") and "adaptive:notrim" (adaptive without `match_trim`); empty: the one mode "spec" (static
             num_speculative_tokens with spec_disable_by_batch_size).
         batch_size_table: the "table" policy's ranges, vLLM style ({"1-4": 4, ...}).
         aa_control: also run AA_MODE, a second engine without speculation over the same
@@ -158,9 +158,10 @@ def policy_speculative(policy: str, k_max: int, table: dict | None) -> dict:
     Raises:
         ValueError: an unknown policy, a bad static K, or "table" without a table.
     """
-    if policy in ("adaptive", "adaptive:rows"):
+    if policy in ("adaptive", "adaptive:rows", "adaptive:notrim"):
         return {"policy": "adaptive", "num_speculative_tokens": k_max,
-                "draft_cost": "rows" if policy == "adaptive:rows" else "per_depth"}
+                "draft_cost": "rows" if policy == "adaptive:rows" else "per_depth",
+                "match_trim": policy != "adaptive:notrim"}
     if policy == "table":
         if not table:
             raise ValueError("policy 'table' needs a batch_size_table")
@@ -170,7 +171,7 @@ def policy_speculative(policy: str, k_max: int, table: dict | None) -> dict:
     if name == "static" and k.isdigit() and 1 <= int(k) <= 64:
         return {"policy": "static", "num_speculative_tokens": int(k)}
     raise ValueError(f"invalid policy {policy!r}: expected static:K (1 <= K <= 64), table, "
-                     "adaptive or adaptive:rows")
+                     "adaptive, adaptive:rows or adaptive:notrim")
 
 
 # ---------------------------------------------------------------- prompts

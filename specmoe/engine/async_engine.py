@@ -102,6 +102,7 @@ class EngineSnapshot:
         recent_step_time_errors: the relative errors of the latest predictions (at most
             `stats.STEP_ERRORS_KEPT`), newest last.
         realized_gain_factors: `EngineStats.realized_gain_factors`.
+        num_trimmed_draft_tokens: `EngineStats.num_trimmed_draft_tokens`.
     """
 
     num_running: int
@@ -120,6 +121,7 @@ class EngineSnapshot:
     num_step_time_predictions: int = 0
     recent_step_time_errors: tuple[float, ...] = ()
     realized_gain_factors: dict[int, float] = field(default_factory=dict)
+    num_trimmed_draft_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -498,7 +500,8 @@ class AsyncEngine:
             draft_k_histogram=dict(engine.stats.draft_k_histogram),
             num_step_time_predictions=engine.stats.num_step_time_predictions,
             recent_step_time_errors=_newest(engine.stats.step_time_errors, 8),
-            realized_gain_factors=dict(engine.stats.realized_gain_factors)))
+            realized_gain_factors=dict(engine.stats.realized_gain_factors),
+            num_trimmed_draft_tokens=engine.stats.num_trimmed_draft_tokens))
 
     @staticmethod
     def _safe_observe(fn, arg) -> None:

@@ -392,16 +392,28 @@ class EngineCore:
                 call_rows([ask.num_tokens for _, ask in asks], pending))
             self.policy.observe_draft(max(ask.num_tokens for _, ask in asks), draft_time,
                                       rows, pending)
-        for (req, ask), proposal in zip(asks, proposals):
+        keep = self._trimmed(reqs, asks, proposals)
+        for (req, ask), proposal, n in zip(asks, proposals, keep):
             if isinstance(proposal, Exception):
                 self._fail(req, proposal)
                 continue
             if self.policy is not None:
-                self.policy.observe_proposed(req.request_id, ask.num_tokens,
-                                             len(proposal.token_ids))
-            req.spec_token_ids = proposal.token_ids
+                self.policy.observe_proposed(req.request_id, ask.num_tokens, n)
+            req.spec_token_ids = proposal.token_ids[:n]
             self._draft_probs[req.request_id] = proposal.probs
             req.spec_stats.draft_time_s += draft_time
+
+    def _trimmed(self, reqs: list[Request], asks: list, proposals: list) -> list[int]:
+        """Per proposal, the drafts verified: the adaptive policy cuts prompt-lookup
+        proposals by their match length (`AdaptivePolicy.trim`)."""
+        lengths = [0 if isinstance(p, Exception) else len(p.token_ids) for p in proposals]
+        if self.policy is None:
+            return lengths
+        keep = self.policy.trim([req.request_id for req, _ in asks], lengths,
+                                [0 if isinstance(p, Exception) else p.match_length
+                                 for p in proposals], len(reqs))
+        self.stats.num_trimmed_draft_tokens += sum(lengths) - sum(keep)
+        return keep
 
     def _drop_drafts(self, request_id: str) -> None:
         self._draft_probs.pop(request_id, None)

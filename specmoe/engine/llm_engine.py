@@ -299,7 +299,8 @@ def _adaptive_policy(speculative: SpeculativeConfig | None, target: ModelRunner
     n, k = (moe.num_experts, moe.top_k) if moe is not None and moe.moe_layers else (0, 0)
     return AdaptivePolicy(AdaptiveSettings(max_k=speculative.num_speculative_tokens,
                                            num_experts=n, top_k=k,
-                                           draft_rows_model=speculative.draft_cost == "rows"))
+                                           draft_rows_model=speculative.draft_cost == "rows",
+                                           match_trim=speculative.match_trim))
 
 
 def _num_kv_blocks(cfg: SchedulerConfig, target: ModelRunner) -> int:

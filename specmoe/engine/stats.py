@@ -68,6 +68,8 @@ class EngineStats:
         realized_gain_factors: batch size -> the share of its predicted rate that the
             adaptive policy's speculation realized there, as its last choice at that size
             applied it (`spec_decode.realized`; 1: as predicted or better, or no data).
+        num_trimmed_draft_tokens: prompt-lookup drafts the adaptive policy cut by their
+            match length before verification (`spec_decode.match_trim`).
         last_step: the most recent step's counters.
     """
 
@@ -85,6 +87,7 @@ class EngineStats:
         default_factory=lambda: deque(maxlen=STEP_ERRORS_KEPT))
     num_step_time_predictions: int = 0
     realized_gain_factors: dict[int, float] = field(default_factory=dict)
+    num_trimmed_draft_tokens: int = 0
     last_step: StepStats | None = None
 
     def record_step_time_error(self, error: float) -> None:
@@ -125,6 +128,7 @@ class EngineStats:
             "step_time_prediction_median_error": (statistics.median(self.step_time_errors)
                                                   if self.step_time_errors else None),
             "realized_gain_factors": dict(sorted(self.realized_gain_factors.items())),
+            "num_trimmed_draft_tokens": self.num_trimmed_draft_tokens,
             "last_step": asdict(self.last_step) if self.last_step else None,
         }
         if prefix_cache_hit_rate is not None:

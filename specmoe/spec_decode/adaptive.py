@@ -117,6 +117,7 @@ from typing import Callable, Union
 import numpy as np
 
 from specmoe.spec_decode.choice import choose_ks, predicted_rate
+from specmoe.spec_decode.match_trim import MatchLengthTrim
 from specmoe.spec_decode.realized import RealizedGain
 from specmoe.spec_decode.routing_overlap import miss_log, unique_fraction
 from specmoe.spec_decode.time_models import DraftDepthModel, DraftTimeModel, StepTimeModel
@@ -185,6 +186,8 @@ class AdaptiveSettings:
     realized_check: bool = True  # ask more gain where speculation realized less (`realized`)
     realized_window: int = 64  # steps the realized sums decay over
     realized_prior_steps: float = 8.0
+    match_trim: bool = True  # cut prompt-lookup proposals by their match length
+    match_trim_explore_every: int = 16  # every this many-th proposal of a length uncut
 
     @property
     def is_moe(self) -> bool:
@@ -330,15 +333,52 @@ class AdaptivePolicy:
         self._expect: tuple[int, tuple[float, float] | None] | None = None
         self._step_drafted = self._step_accepted = 0  # the step's verified drafts
         self._draft_call_s = 0.0  # the drafting call before the step
+        self.matches = MatchLengthTrim(settings.max_k, settings.match_trim_explore_every)
+        self._match_of: dict[str, int] = {}  # each proposal's match length, until verified
 
     def observe_verified(self, request_id: str, drafted: int, accepted: int) -> None:
         self.acceptance.observe(request_id, drafted, accepted)
+        if self._match_of:
+            self.matches.observe(self._match_of.pop(request_id, 0), drafted, accepted)
         self._step_drafted += drafted
         self._step_accepted += accepted
 
     def observe_proposed(self, request_id: str, allowed: int, proposed: int) -> None:
         """The proposer drafted `proposed` of the `allowed` tokens asked for."""
         self.acceptance.observe_proposed(request_id, allowed, proposed)
+
+    def trim(self, request_ids: list[str], proposed: list[int], match_lengths: list[int],
+             base_rows: int) -> list[int]:
+        """How many of each proposal's `proposed` drafts to verify (`match_trim`,
+        `spec_decode.match_trim`): each prompt-lookup proposal is cut to the drafts whose
+        expected tokens, given its match length, pay for their rows at the step's
+        expected tokens per second. Steps a solve did not choose (probes, uncalibrated)
+        and draft models' proposals (match length 0) keep everything. `base_rows`: the
+        step's rows without drafts."""
+        if not self.s.match_trim or not any(match_lengths):
+            return proposed
+        for r, n in zip(request_ids, match_lengths):
+            self._match_of[r] = n
+        threshold = self._trim_threshold(proposed, base_rows)
+        if threshold is None:
+            return proposed
+        return [self.matches.keep(n, p, threshold) for n, p in zip(match_lengths, proposed)]
+
+    def _trim_threshold(self, proposed: list[int], base_rows: int) -> float | None:
+        """The expected tokens a draft must add to pay for its row: the step's predicted
+        seconds per draft row (all proposals verified) times its expected tokens per
+        second (None on a step no solve chose)."""
+        expect, drafts = self._expect, sum(proposed)
+        if expect is None or expect[1] is None or not drafts:
+            return None
+        windows = [1 + p for p in proposed] + [1] * max(base_rows - len(proposed), 0)
+        full = self.step_time.predict_one(base_rows + drafts, self.unique_fraction(windows))
+        bare = self.step_time.predict_one(base_rows,
+                                          self.unique_fraction([1] * max(base_rows, 1)))
+        if full is None or bare is None:
+            return None
+        tokens, seconds = expect[1]
+        return max(full - bare, 0.0) / drafts * tokens / seconds
 
     def observe_step(self, rows: int, seconds: float, windows: list[int] | None = None
                      ) -> float | None:
@@ -655,5 +695,6 @@ class AdaptivePolicy:
 
     def forget(self, request_id: str) -> None:
         self.acceptance.forget(request_id)
+        self._match_of.pop(request_id, None)
         self._previous.pop(request_id, None)
         self._probe_counts.pop(request_id, None)

@@ -21,18 +21,26 @@ def find_ngram_continuation(context: list[int], min_n: int, max_n: int,
     Raises:
         ValueError: unless 1 <= min_n <= max_n.
     """
+    return find_ngram_match(context, min_n, max_n, num_tokens)[0]
+
+
+def find_ngram_match(context: list[int], min_n: int, max_n: int,
+                     num_tokens: int) -> tuple[list[int], int]:
+    """`find_ngram_continuation` and the length n of the match it continues (0 where it
+    returns [])."""
     if not 1 <= min_n <= max_n:
         raise ValueError(f"invalid n-gram range [{min_n}, {max_n}]: need 1 <= min <= max")
     if num_tokens <= 0:
-        return []
+        return [], 0
     arr = np.asarray(context, dtype=np.int64)
     for n in range(min(max_n, len(arr) - 1), min_n - 1, -1):
         windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # [L - n, n]
         hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return arr[start:start + num_tokens].tolist()
-    return []
+            tokens = arr[start:start + num_tokens].tolist()
+            return tokens, n if tokens else 0
+    return [], 0
 
 
 class NgramProposer:
@@ -51,9 +59,13 @@ class NgramProposer:
         self.min_n, self.max_n = min_n, max_n
 
     def propose(self, reqs: list[ProposeRequest]) -> list[DraftProposal]:
-        """Each request's continuation by `find_ngram_continuation` (stateless)."""
-        return [DraftProposal(find_ngram_continuation(r.context, self.min_n, self.max_n,
-                                                      r.num_tokens)) for r in reqs]
+        """Each request's continuation by `find_ngram_match`, with its match length
+        (stateless)."""
+        out = []
+        for r in reqs:
+            tokens, n = find_ngram_match(r.context, self.min_n, self.max_n, r.num_tokens)
+            out.append(DraftProposal(tokens, match_length=n))
+        return out
 
     def free(self, request_id: str) -> None:
         pass

