@@ -106,6 +106,12 @@ second (the choice in `spec_decode.choice`, the time models in `spec_decode.time
   steps. The step is priced at its expected time for rows ~ Normal(mean, variance) (the
   hinges' expectations in closed form, `time_models`); priced at the mean rows, the
   policy drafted like static K = 8 where K = 4 was faster.
+- Match-length trim (`match_trim`, `spec_decode.match_trim`): once prompt lookup has
+  proposed, the proposals are cut to the drafts that, given their match lengths
+  (acceptance per position tracked per length, engine-wide), maximise the step's expected
+  tokens per second under the step-time model. The per-request estimates above then
+  describe the cut proposals (their fill and acceptance as verified), so the solve's K is
+  the most a request may keep.
 """
 
 from __future__ import annotations
@@ -350,35 +356,23 @@ class AdaptivePolicy:
     def trim(self, request_ids: list[str], proposed: list[int], match_lengths: list[int],
              base_rows: int) -> list[int]:
         """How many of each proposal's `proposed` drafts to verify (`match_trim`,
-        `spec_decode.match_trim`): each prompt-lookup proposal is cut to the drafts whose
-        expected tokens, given its match length, pay for their rows at the step's
-        expected tokens per second. Steps a solve did not choose (probes, uncalibrated)
-        and draft models' proposals (match length 0) keep everything. `base_rows`: the
-        step's rows without drafts."""
+        `MatchLengthTrim.cut`): the prompt-lookup drafts that, given their match lengths,
+        maximise the step's expected tokens per second under the step-time model. Steps a
+        solve did not choose (probes, uncalibrated) and draft models' proposals (match
+        length 0) keep everything. `base_rows`: the step's rows without drafts."""
         if not self.s.match_trim or not any(match_lengths):
             return proposed
         for r, n in zip(request_ids, match_lengths):
             self._match_of[r] = n
-        threshold = self._trim_threshold(proposed, base_rows)
-        if threshold is None:
+        if self._expect is None or self._expect[1] is None or self.step_time.coef is None:
             return proposed
-        return [self.matches.keep(n, p, threshold) for n, p in zip(match_lengths, proposed)]
+        idle = [1] * max(base_rows - len(proposed), 0)  # requests without a proposal
 
-    def _trim_threshold(self, proposed: list[int], base_rows: int) -> float | None:
-        """The expected tokens a draft must add to pay for its row: the step's predicted
-        seconds per draft row (all proposals verified) times its expected tokens per
-        second (None on a step no solve chose)."""
-        expect, drafts = self._expect, sum(proposed)
-        if expect is None or expect[1] is None or not drafts:
-            return None
-        windows = [1 + p for p in proposed] + [1] * max(base_rows - len(proposed), 0)
-        full = self.step_time.predict_one(base_rows + drafts, self.unique_fraction(windows))
-        bare = self.step_time.predict_one(base_rows,
-                                          self.unique_fraction([1] * max(base_rows, 1)))
-        if full is None or bare is None:
-            return None
-        tokens, seconds = expect[1]
-        return max(full - bare, 0.0) / drafts * tokens / seconds
+        def step_s(keep: list[int]) -> float:
+            windows = [1 + k for k in keep] + idle
+            return self.step_time.predict_one(base_rows + sum(keep),
+                                              self.unique_fraction(windows))
+        return self.matches.cut(match_lengths, proposed, step_s)
 
     def observe_step(self, rows: int, seconds: float, windows: list[int] | None = None
                      ) -> float | None:

@@ -7,17 +7,17 @@ depends on n: on SmolLM2-135M over HumanEval and Spec-Bench translation prompts 
 tokens each, every output position), the first drafted token was accepted after 88% of
 3-gram matches, 67% of 2-gram and 24% of 1-gram ones, the eighth after 28%, 23% and 6%.
 The per-request estimates the policy solves with average over the matches a request meets;
-the match length is known once the proposal is made, so a proposal is cut to the drafts
-that pay for their rows given its own n: the j-th draft adds g_n[j] = prod_{i<=j} a_n[i]
-expected tokens (a_n[i]: the engine-wide rate at which a reached draft at position i of an
-n-gram proposal is accepted), and costs the step's seconds per draft row; it is kept while
-g_n[j] is at least that cost times the tokens per second the step is expected to give.
-This is the confidence-based draft length of SpecDec++ (Huang et al. 2024, arXiv
-2405.19715) and of transformers' assistant models (`assistant_confidence_threshold`), with
-the match length as prompt lookup's confidence and the threshold from the step-time model
-rather than a constant. Offline, on the traces above with this machine's step times
-(`docs/results/2026-12-06-hindsight-ceiling`), cutting at g_n[j] >= 0.15-0.2 decoded 4%
-faster at one request than the best static K.
+the match length is known once the proposal is made, so the step's proposals are cut to
+the drafts that pay for their rows given their own n: the j-th draft of an n-gram proposal
+adds g_n[j] = prod_{i<=j} a_n[i] expected tokens (a_n[i]: the engine-wide rate at which a
+reached draft at position i of an n-gram proposal is accepted), and the drafts kept are
+those that maximise the step's expected tokens per second under the policy's step-time
+model (`cut`). This is the confidence-based draft length of SpecDec++ (Huang et al. 2024,
+arXiv 2405.19715) and of transformers' assistant models (`assistant_confidence_threshold`),
+with the match length as prompt lookup's confidence and the cut from the step's cost
+rather than a constant threshold. Offline, on the traces above with this machine's step
+times (`docs/results/2026-12-06-hindsight-ceiling`), a cut at g_n[j] >= 0.15-0.2 decoded
+4% faster at one request than the best static K.
 
 The rates are learnt from the drafts verified: a cut draft is never verified, so each
 match length's proposals go uncut once in `explore_every`, and until a position has
@@ -25,6 +25,8 @@ match length's proposals go uncut once in `explore_every`, and until a position 
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 
 class MatchLengthTrim:
@@ -59,22 +61,43 @@ class MatchLengthTrim:
             out.append(g)
         return out
 
-    def keep(self, n: int, proposed: int, threshold: float) -> int:
-        """How many of a proposal's `proposed` drafts to keep: those whose expected tokens
-        are at least `threshold` (all of them for n = 0, a draft model's, and on each
-        match length's every explore_every-th proposal)."""
-        if n <= 0 or proposed <= 0:
-            return proposed
+    def cut(self, match_lengths: list[int], proposed: list[int],
+            step_s: Callable[[list[int]], float]) -> list[int]:
+        """Per proposal of one step, how many of its drafts to verify: the set of drafts
+        that maximises the step's expected tokens per second, (B + the kept drafts'
+        gains) / step_s(kept per proposal). For a given number of drafts the best are
+        those of most gain (a proposal's gains do not increase along it, so they are a
+        prefix of each), so every count is tried in order of gain. Proposals of match
+        length 0 (a draft model's) and each match length's every explore_every-th
+        proposal are kept whole."""
+        keep, candidates = [0] * len(proposed), []
+        tokens = float(len(proposed))
+        for i, (n, p) in enumerate(zip(match_lengths, proposed)):
+            if p <= 0:
+                continue
+            if n <= 0 or self._explores(n):
+                keep[i] = p
+                tokens += sum(self.gains(n)[:p]) if n > 0 else p
+                continue
+            candidates += [(g, i) for g in self.gains(n)[:min(p, self.max_k)]]
+        candidates.sort(key=lambda c: -c[0])  # stable: a proposal's drafts stay in order
+        best_rate, best = tokens / step_s(keep), 0
+        for count, (g, i) in enumerate(candidates, 1):
+            keep[i] += 1
+            tokens += g
+            rate = tokens / step_s(keep)
+            if rate > best_rate:
+                best_rate, best = rate, count
+        for g, i in candidates[best:]:
+            keep[i] -= 1
+        self.trimmed += sum(proposed) - sum(keep)
+        return keep
+
+    def _explores(self, n: int) -> bool:
+        """Counts a proposal of match length n; True on every explore_every-th."""
         count = self._proposals.get(n, 0) + 1
         self._proposals[n] = count
-        if count % self.explore_every == 0:
-            return proposed
-        gains = self.gains(n)
-        keep = 0
-        while keep < min(proposed, self.max_k) and gains[keep] >= threshold:
-            keep += 1
-        self.trimmed += proposed - keep
-        return keep
+        return count % self.explore_every == 0
 
     def observe(self, n: int, drafted: int, accepted: int) -> None:
         """A verified n-gram proposal: `drafted` drafts, the first `accepted` accepted

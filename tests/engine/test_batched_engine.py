@@ -187,18 +187,25 @@ def test_adaptive_policy_is_lossless_and_reports_its_choices(request, proposer, 
 
 def test_cutting_prompt_lookup_proposals_keeps_outputs_and_counts_the_cut(ngram, prompts,
                                                                          alone):
-    """Every n-gram proposal cut to half its drafts (`AdaptivePolicy.trim`): the outputs
-    are the plain ones, the verified drafts are the kept ones, and the engine counts the
-    cut drafts."""
+    """Every n-gram proposal cut to half its drafts once the step-time model is fitted
+    (`AdaptivePolicy.trim`): the outputs are the plain ones and the engine counts the cut
+    drafts."""
     llm = ngram.with_speculative(dataclasses.replace(ngram.config.speculative,
                                                      policy="adaptive"))
     core, cut = llm.engine, []
-    core.policy._trim_threshold = lambda proposed, base_rows: 0.0
+    choose = core.policy.choose
 
-    def half(n, proposed, threshold):
-        cut.append(proposed - proposed // 2)
-        return proposed // 2
-    core.policy.matches.keep = half
+    def chosen(*args, **kwargs):  # every step as if a solve chose it
+        ks = choose(*args, **kwargs)
+        core.policy._expect = (len(ks), (1.0, 1.0))
+        return ks
+    core.policy.choose = chosen
+
+    def half(match_lengths, proposed, step_s):
+        assert step_s(proposed) > 0
+        cut.extend(p - p // 2 for p in proposed)
+        return [p // 2 for p in proposed]
+    core.policy.matches.cut = half
     outs = llm.generate(prompts, [_greedy(i) for i in range(len(prompts))])
     assert [o.token_ids for o in outs] == alone
     assert sum(cut) > 0 and core.stats.num_trimmed_draft_tokens == sum(cut)

@@ -185,7 +185,7 @@ def test_step_time_is_never_predicted_as_zero():
     m = StepTimeModel(window=64, min_steps=4)
     for rows, secs in [(15, 0.018), (12, 0.010), (12, 0.011), (12, 0.009), (12, 0.0093)]:
         m.observe(rows, secs)
-    m.coef = np.array([0.0, 0.0, 0.0, 0.002, 0.0, 0.0])  # the degenerate fit seen in a test
+    m.coef = np.array([0.0, 0.0, 0.0, 0.0, 0.002, 0.0, 0.0])  # a degenerate fit: the 8-row hinge
     assert m.predict(1) == pytest.approx(0.5 * 0.009)
     assert m.predict_one(1) == pytest.approx(0.5 * 0.009)
     assert m.predict(15) == pytest.approx(0.014)

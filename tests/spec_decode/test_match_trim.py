@@ -39,23 +39,42 @@ def test_positions_with_few_drafts_keep_everything():
     assert t.gains(2) == [1.0] * 4  # 15 reached drafts: too few
     t.observe(2, 4, 0)
     assert t.gains(2) == [0.0] * 4
-    assert t.keep(2, 4, threshold=0.5) == 0
+    assert t.cut([2], [4], _steep) == [0]
 
 
-def test_proposals_are_cut_where_their_expected_tokens_fall_below_the_threshold():
+def _steep(keep: list[int]) -> float:
+    """10 ms a step, each draft row 3 ms."""
+    return 0.010 + 0.003 * sum(keep)
+
+
+def test_the_drafts_kept_maximise_the_steps_expected_tokens_per_second():
     t = _trained({1: (0, 0, 0, 1), 3: (4, 4, 4, 2)})
-    assert t.keep(1, 4, threshold=0.2) == 1
-    assert t.keep(1, 4, threshold=0.3) == 0
-    assert t.keep(3, 4, threshold=0.8) == 2
-    assert t.keep(3, 1, threshold=0.8) == 1  # never more than proposed
-    assert t.keep(0, 4, threshold=10.0) == 4  # not prompt lookup: uncut
-    assert t.trimmed == 3 + 4 + 2
+    # alone: a 3-gram proposal is worth its four rows ((1 + 3.5) / 22 ms against 1 / 10
+    # ms), a 1-gram's first draft is not (1.25 / 13 ms)
+    assert t.cut([3], [4], _steep) == [4]
+    assert t.cut([1], [4], _steep) == [0]
+    # free rows: every draft expected to add a token is kept (never more than proposed),
+    # those expected to add none are not
+    assert t.cut([1, 3], [4, 1], lambda keep: 0.010) == [1, 1]
+    # a draft model's proposal (match length 0) is kept whole
+    assert t.cut([0, 1], [3, 4], _steep) == [3, 0]
+    assert t.trimmed == 4 + 3 + 4
+
+
+def test_the_cut_ranks_drafts_across_proposals_by_their_gain():
+    """Rows free up to 12 then 5 ms each: of two 3-gram proposals (gains 1, 1, 0.75, 0.75)
+    and a 2-gram one (gains 1, 0.5, 0, 0), the nine drafts of most gain fill the free
+    rows, and the tenth (0.5) is not worth 5 ms."""
+    t = _trained({2: (1, 2), 3: (4, 4, 4, 2)})
+    assert t.gains(2) == pytest.approx([1.0, 0.5, 0.0, 0.0])
+    step = lambda keep: 0.010 + 0.005 * max(0, 3 + sum(keep) - 12)  # noqa: E731
+    assert t.cut([3, 2, 3], [4, 4, 4], step) == [4, 1, 4]
 
 
 def test_every_explore_every_th_proposal_of_a_length_is_left_uncut():
     t = MatchLengthTrim(max_k=4, explore_every=4, min_trials=1)
     t.observe(1, 4, 0)
-    kept = [t.keep(1, 4, threshold=0.5) for _ in range(8)]
+    kept = [t.cut([1], [4], _steep)[0] for _ in range(8)]
     assert kept == [0, 0, 0, 4, 0, 0, 0, 4]
 
 
