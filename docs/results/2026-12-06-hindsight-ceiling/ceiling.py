@@ -2,7 +2,9 @@
 prompts of `bench throughput` at one and two requests: the decode seconds of static K in
 {1, 2, 4, 8} and of the best schedule of K in 0..8 known in advance, under step costs
 measured here (Tt(B, T) on the prompts' own text, as `specmoe advise` measures them, plus
-the engine's time per step outside the forward).
+the engine's time per step outside the forward). With n-gram drafting it first prints, over
+every output position, how often the j-th draft of a proposal was accepted by the length n
+of the match it continues (`MatchLengthTrim`'s statistic).
 
     [MODEL=smollm2-135m] [DRAFT=ngram] [N=16] [T=48] [DATASETS=humaneval,spec_bench] \
     [CATS=translation] python docs/results/2026-12-06-hindsight-ceiling/ceiling.py
@@ -14,6 +16,7 @@ import numpy as np
 from specmoe.analysis.advise import (AdviseConfig, _prompt_ids, measure_engine_steps)
 from specmoe.analysis.hindsight import pair_seconds, single_seconds
 from specmoe.analysis.model_card import draft_acceptor, ngram_acceptor
+from specmoe.spec_decode.ngram import find_ngram_match
 from specmoe.analysis.real_study import RealStudyConfig, measure_forwards
 from specmoe.config import SpeculativeConfig
 from specmoe.engine.llm_engine import LLM
@@ -39,6 +42,20 @@ else:
     dl = llm.with_speculative({"method": "draft", "draft_model": DRAFT,
                                "draft_quantization": cfg.draft_quantization})
     acc = [draft_acceptor(dl.proposer.runner, p, o) for p, o in zip(prompts, outputs)]
+if DRAFT == "ngram":
+    by_n = {}
+    for p, o in zip(prompts, outputs):
+        for pos in range(1, len(o)):
+            prop, n = find_ngram_match(p + o[:pos], *lookup, KMAX)
+            a = 0
+            while a < len(prop) and pos + a < len(o) and prop[a] == o[pos + a]:
+                a += 1
+            if n:
+                by_n.setdefault(n, []).append(a)
+    for n, acc_n in sorted(by_n.items()):
+        arr = np.array(acc_n)
+        print(f"match length {n}: {len(arr)} proposals, P(draft j accepted) j = 1..{KMAX}:",
+              [round(float((arr >= j).mean()), 2) for j in range(1, KMAX + 1)])
 windows = [p + o for p, o in zip(prompts, outputs)]
 ctx = min(128, min(len(w) for w in windows) - KMAX - 1)
 grid = RealStudyConfig(models=[MODEL], batch_sizes=[1, 2], num_tokens=list(range(1, KMAX + 2)),
