@@ -366,13 +366,13 @@ class AdaptivePolicy:
             self._match_of[r] = n
         if self._expect is None or self._expect[1] is None or self.step_time.coef is None:
             return proposed
+        predict = self.step_time.predict_one
+        if not self.s.is_moe:  # the rows alone: no windows built per draft counted
+            return self.matches.cut(match_lengths, proposed,
+                                    lambda keep: predict(base_rows + sum(keep)))
         idle = [1] * max(base_rows - len(proposed), 0)  # requests without a proposal
-
-        def step_s(keep: list[int]) -> float:
-            windows = [1 + k for k in keep] + idle
-            return self.step_time.predict_one(base_rows + sum(keep),
-                                              self.unique_fraction(windows))
-        return self.matches.cut(match_lengths, proposed, step_s)
+        return self.matches.cut(match_lengths, proposed, lambda keep: predict(
+            base_rows + sum(keep), self.unique_fraction([1 + k for k in keep] + idle)))
 
     def observe_step(self, rows: int, seconds: float, windows: list[int] | None = None
                      ) -> float | None:

@@ -72,15 +72,16 @@ class MatchLengthTrim:
         proposal are kept whole."""
         keep, candidates = [0] * len(proposed), []
         tokens = float(len(proposed))
+        gains = {n: self.gains(n) for n in set(match_lengths) if n > 0}  # once per length
         for i, (n, p) in enumerate(zip(match_lengths, proposed)):
             if p <= 0:
                 continue
             if n <= 0 or self._explores(n):
                 keep[i] = p
                 if n > 0:
-                    tokens += sum(self.gains(n)[:p])
+                    tokens += sum(gains[n][:p])
                 continue
-            candidates += [(g, i) for g in self.gains(n)[:min(p, self.max_k)]]
+            candidates += [(g, i) for g in gains[n][:min(p, self.max_k)]]
         candidates.sort(key=lambda c: -c[0])  # stable: a proposal's drafts stay in order
         best_rate, best = tokens / step_s(keep), 0
         for count, (g, i) in enumerate(candidates, 1):

@@ -104,11 +104,13 @@ def test_prompt_lookup_reports_its_match_length():
     assert proposal.token_ids == [6, 4] and proposal.match_length == 2
 
 
-def _policy(trim: bool = True) -> AdaptivePolicy:
+def _policy(trim: bool = True, num_experts: int = 0) -> AdaptivePolicy:
     """A step time of 10 ms + 1 ms a row (compute-bound from the first draft), prompt
-    lookup (no drafting cost); 1-gram proposals accept nothing, 3-gram ones everything."""
+    lookup (no drafting cost); 1-gram proposals accept nothing, 3-gram ones everything
+    (`num_experts`: a MoE target with top-2 routing)."""
     p = AdaptivePolicy(AdaptiveSettings(max_k=4, probe_every=1000, match_trim=trim,
-                                        match_trim_explore_every=1000))
+                                        match_trim_explore_every=1000,
+                                        num_experts=num_experts, top_k=2 if num_experts else 0))
     for rows in [1, 2, 3, 4, 5, 8, 16, 32]:
         p.observe_step(rows, 0.010 + 0.001 * rows)
     p.observe_draft(1, 0.0)
@@ -121,8 +123,9 @@ def _policy(trim: bool = True) -> AdaptivePolicy:
     return p
 
 
-def test_the_policy_cuts_proposals_on_a_step_its_solve_chose():
-    p = _policy()
+@pytest.mark.parametrize("num_experts", [0, 8])
+def test_the_policy_cuts_proposals_on_a_step_its_solve_chose(num_experts):
+    p = _policy(num_experts=num_experts)
     assert p.choose(["a", "b"], [4, 4], 2) == {"a": 4, "b": 4}
     # a 1-gram proposal's drafts add nothing and cost 1 ms each: cut; a 3-gram one's kept
     assert p.trim(["a", "b"], [4, 4], [1, 3], base_rows=2) == [0, 4]
