@@ -25,6 +25,7 @@ import weakref
 
 import torch
 
+from specmoe.kernels import panel_prefetch
 from specmoe.kernels.build import LazyKernel, load
 from specmoe.utils.env import env_flag
 
@@ -64,6 +65,7 @@ def load_kernel(extra_flags: tuple[str, ...] = ()):
         ctypes.c_int]
     lib.specmoe_pack_bf16.restype = ctypes.c_int
     lib.specmoe_gemv_isa.restype = ctypes.c_int
+    panel_prefetch.register(lib)
     fn.library = lib
     return fn
 

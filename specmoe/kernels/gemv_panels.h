@@ -22,6 +22,18 @@
 #include "avx512_math.h"
 #include "bf16_dot.h"
 
+/* Whether a one-row pass prefetches its panel in software, as passes of more rows do. The
+ * better choice depends on the memory system, so Python measures both on the model's own
+ * weights and sets it (specmoe/kernels/panel_prefetch.py): on a 2-core Zen 4 in its fast
+ * memory phase, prefetching 4 KB ahead held one row at 74-78 GB/s against 79-83 without
+ * (the hardware prefetcher alone keeps up there); on a 2-core Xeon (22-25 GB/s), one row
+ * without it read 17 GB/s, with it 25 (the whole probe). One copy per library that
+ * includes this header (the linear and fused MoE kernels); each exports its setter. */
+static int one_row_prefetch = 0;
+
+void specmoe_set_one_row_prefetch(int on) { one_row_prefetch = on != 0; }
+int specmoe_one_row_prefetch(void) { return one_row_prefetch; }
+
 /* x's pair j of row t as one 32-bit lane (x[2j] low, x[2j + 1] high) in all 16 lanes. */
 static inline __attribute__((always_inline)) __m512i pair_x(const uint16_t *p) {
     return _mm512_castps_si512(_mm512_broadcastss_ps(_mm_load_ss((const float *)p)));
@@ -130,9 +142,8 @@ static void panels(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, 
             const int64_t j1 = pairs - j0 < j_block ? pairs : j0 + j_block;
             for (int64_t t0 = 0, i = 0; t0 < T; t0 += G, i++) {
                 /* the first pass prefetches a little ahead, later ones the next slice; one
-                 * row alone leaves it to the hardware prefetcher (software prefetch on top
-                 * slows its single stream when memory is fast) */
-                const uint16_t *pf = T == 1 ? NULL
+                 * row alone does only where `one_row_prefetch` is set */
+                const uint16_t *pf = T == 1 && !one_row_prefetch ? NULL
                                      : panel + (i ? j_block : PREFETCH_PAIRS) * (2 * PANEL);
                 run_group((int)(T - t0 < G ? T - t0 : G), x + t0 * K, panel, pf, bias,
                           y + t0 * N, K, N, p * PANEL, j0, j1, spill[i]);

@@ -22,7 +22,7 @@ import ctypes
 
 import torch
 
-from specmoe.kernels import gemv, moe_common
+from specmoe.kernels import gemv, moe_common, panel_prefetch
 from specmoe.kernels.build import LazyKernel
 from specmoe.kernels.gemv import PackedWeight, packed_shape
 from specmoe.kernels.moe_common import scratch_buffer
@@ -31,8 +31,10 @@ from specmoe.kernels.moe_common import scratch_buffer
 def load_kernel(extra_flags: tuple[str, ...] = ()):
     """The ctypes function `specmoe_moe_bf16` (the C source gives its arguments), built and
     loaded by `moe_common.load_kernel` (which says what it carries and raises)."""
-    return moe_common.load_kernel("moe_bf16.c", "specmoe_moe_bf16", "specmoe_moe",
-                                  ctypes.c_void_p, gemv.REQUIRED_CPU_FLAGS, extra_flags)
+    fn = moe_common.load_kernel("moe_bf16.c", "specmoe_moe_bf16", "specmoe_moe",
+                                ctypes.c_void_p, gemv.REQUIRED_CPU_FLAGS, extra_flags)
+    panel_prefetch.register(fn.library)  # the expert panels take the linear's setting
+    return fn
 
 
 _lazy = LazyKernel(load_kernel, "CPU fused MoE kernel unavailable, using the expert loop")
