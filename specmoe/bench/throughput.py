@@ -536,6 +536,7 @@ def run_throughput_bench(cfg: ThroughputBenchConfig) -> dict:
 
 def _bench(cfg: ThroughputBenchConfig, engines: dict, env: dict, t0: float) -> dict:
     from specmoe.bench.roofline import PROBE_BYTES, measure_peak_flops, measure_read_bandwidth
+    from specmoe.kernels import panel_prefetch
     from specmoe.utils.gc_heap import frozen_heap
     max_model_len = engines["plain"].max_model_len
     prompts, skipped = fitting_prompts(build_prompts(cfg, engines["plain"]), cfg.max_tokens,
@@ -551,6 +552,7 @@ def _bench(cfg: ThroughputBenchConfig, engines: dict, env: dict, t0: float) -> d
     # the host's memory bandwidth drifts by tens of percent: C=1, bound by it, moves with
     # it while large C, bound by compute, does not, so the scaling ratios shift with it
     target = engines["plain"].target
+    env["one_row_prefetch"] = panel_prefetch.state()  # set when the target loaded
     env["read_bandwidth_start"] = measure_read_bandwidth(PROBE_BYTES, repeats=3,
                                                          device=target.device)
     env["peak_flops"], env["peak_source"] = measure_peak_flops(target.loaded.dtype,

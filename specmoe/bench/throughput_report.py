@@ -49,7 +49,7 @@ def markdown(results: dict) -> str:
              f"{cfg['max_num_batched_tokens']}; torch "
              f"threads {env['torch_num_threads']} of {env['cpu_count']} CPUs, load average "
              f"{env['load_average_start']:.1f} -> {env['load_average_end']:.1f}; "
-             f"{_bandwidth(env)}total "
+             f"{_bandwidth(env)}{_prefetch(env.get('one_row_prefetch'))}total "
              f"{results['total_seconds'] / 60:.1f} min.", "",
              target_sentence(results["target"]), "",
              *([bound, ""] if (bound := bound_sentence(results)) else []),
@@ -82,6 +82,16 @@ def _bandwidth(env: dict) -> str:
     return (f"memory read bandwidth {env['read_bandwidth_start'] / 1e9:.0f} -> "
             f"{env['read_bandwidth_end'] / 1e9:.0f} GB/s (single requests are bound by it, "
             "large batches by compute, so the scaling ratios move with it); ")
+
+
+def _prefetch(state: dict | None) -> str:
+    """The one-row panel prefetch setting (`kernels.panel_prefetch`) and, if tuned, why."""
+    if state is None:  # results from before the setting
+        return ""
+    how = (f"tuned: a one-row pass over {state['bytes'] / 1e6:.0f} MB of weights "
+           f"{state['off_s'] * 1e3:.1f} ms without, {state['on_s'] * 1e3:.1f} ms with"
+           if state["source"] == "tuned" else state["source"])
+    return f"one-row weight prefetch {'on' if state['on'] else 'off'} ({how}); "
 
 
 def caveats(results: dict) -> list[str]:

@@ -192,6 +192,13 @@ def test_markdown_and_files(runs, tmp_path):
     results["config"]["quantization"] = "int4"
     assert ("float32, int4 target weights, int4 draft weights, int4 batch-invariant mode, "
             "greedy") in markdown(results)
+    assert "prefetch" not in md  # results from before the setting
+    results["environment"]["one_row_prefetch"] = {"on": True, "source": "tuned", "bytes": 3e8,
+                                                  "off_s": 0.0147, "on_s": 0.0113}
+    assert ("one-row weight prefetch on (tuned: a one-row pass over 300 MB of weights 14.7 ms "
+            "without, 11.3 ms with); total") in markdown(results)
+    results["environment"]["one_row_prefetch"] = {"on": False, "source": "env"}
+    assert "one-row weight prefetch off (env); total" in markdown(results)
 
 
 def test_caveats(runs):
