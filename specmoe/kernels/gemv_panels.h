@@ -24,7 +24,7 @@
 
 /* Whether a one-row pass prefetches its panel in software, as passes of more rows do. The
  * better choice depends on the memory system, so Python measures both on the model's own
- * weights and sets it (specmoe/kernels/panel_prefetch.py): on a 2-core Zen 4 in its fast
+ * weights and sets it (specmoe/kernels/panel_prefetch_tune.py): on a 2-core Zen 4 in its fast
  * memory phase, prefetching 4 KB ahead held one row at 74-78 GB/s against 79-83 without
  * (the hardware prefetcher alone keeps up there); on a 2-core Xeon (22-25 GB/s), one row
  * without it read 17 GB/s, with it 25 (the whole probe). One copy per library that

@@ -5,13 +5,12 @@ Decoding one token at a time puts one row through every weight panel. Passes of 
 rows prefetch the panel 4 KB ahead into L2; whether a one-row pass should too depends on the
 memory system: on a 2-core Zen 4 the hardware prefetcher alone kept its single stream at
 the bandwidth probe (79-83 GB/s; software prefetch on top 74-78), while on a 2-core Xeon
-(22-25 GB/s probe) one row read 17 GB/s without it and 25 with it, so one row ran 1.3x
-slower than two. Neither choice is right everywhere, so `panel_prefetch_tune.tune` times
-one-row passes over
-the model's own packed weights both ways (interleaved, the minimum of several passes) when
-the first model large enough to tell is loaded, and keeps the faster. The environment
-variable SPECMOE_ONE_ROW_PREFETCH=0 or 1 sets it instead. The outputs have the same bits
-either way: a prefetch moves no data into a result.
+(22-25 GB/s probe) one row read 17 GB/s without it and 25 with it, and ran slower than two
+rows. Neither choice is right everywhere, so `panel_prefetch_tune.tune` times one-row
+passes over the model's own packed weights both ways (interleaved, the minimum of several
+passes) when the first model large enough to tell is loaded, and keeps the faster. The
+environment variable SPECMOE_ONE_ROW_PREFETCH=0 or 1 sets it instead. The outputs have the
+same bits either way: a prefetch moves no data into a result.
 """
 
 from __future__ import annotations

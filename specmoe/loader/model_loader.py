@@ -128,8 +128,10 @@ def prepare_for_inference(model: torch.nn.Module, device: torch.device, dtype: t
     autograd, its MoE blocks' expert backend (`moe_backend`, "auto" as
     `resolve_moe_backend`), and on CPU the native kernels' packed copies in place of the
     dense weights (beside them with `keep_dense`, so the MoE backend can still be switched
-    to one that reads them), on 2 MiB pages. Synthetic models (the study's presets) take
-    the same steps, so they are timed on the paths a loaded model runs.
+    to one that reads them), on 2 MiB pages, and whether one-row passes prefetch, timed on
+    those copies (once per process: `kernels.panel_prefetch_tune`). Synthetic models (the
+    study's presets) take the same steps, so they are timed on the paths a loaded model
+    runs.
 
     Raises:
         ValueError: an unknown `moe_backend`.

@@ -10,6 +10,8 @@ import torch
 from kernel_checks import require_kernel, same_bits
 
 from specmoe.kernels import gemv, moe, panel_prefetch, panel_prefetch_tune
+from specmoe.layers.linear import Linear
+from specmoe.loader import model_loader
 from tiny_models import random_bf16_experts, random_routing
 
 
@@ -118,3 +120,13 @@ def test_a_bad_environment_value_is_named(monkeypatch):
     monkeypatch.setenv(panel_prefetch.ENV, "yes")
     with pytest.raises(ValueError, match="SPECMOE_ONE_ROW_PREFETCH must be 0 or 1, got 'yes'"):
         panel_prefetch_tune.tune([])
+
+
+def test_preparing_a_model_tunes_on_its_packed_weights(monkeypatch):
+    require_kernel("bf16 linear kernel", gemv.kernel_unavailable_reason())
+    seen = []
+    monkeypatch.setattr(panel_prefetch_tune, "tune", seen.append)
+    model = torch.nn.Sequential(Linear(128, 256), Linear(256, 64)).to(torch.bfloat16)
+    model_loader.prepare_for_inference(model, torch.device("cpu"), torch.bfloat16)
+    assert [[tuple(t.shape) for t in packed] for packed in seen] == [
+        [gemv.packed_shape(256, 128), gemv.packed_shape(64, 256)]]
