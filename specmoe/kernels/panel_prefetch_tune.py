@@ -61,8 +61,9 @@ def _calls(packed: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor,
     each leading index of a stacked (expert) tensor a matrix of its own."""
     calls, total, xs = [], 0, {}
     for tensor in packed:
-        if tensor.dtype is not torch.bfloat16 or tensor.dim() < 4 or not tensor.is_cpu:
-            continue
+        if (tensor.dtype is not torch.bfloat16 or tensor.dim() < 4 or not tensor.is_cpu
+                or tuple(tensor.shape[-2:]) != (64, 2) or not tensor.is_contiguous()):
+            continue  # not bf16 panels
         p, j = tensor.shape[-4], tensor.shape[-3]
         for matrix in tensor.reshape(-1, p, j, 64, 2):
             if total >= TUNE_BYTES:
