@@ -33,9 +33,10 @@ def register(library: ctypes.CDLL) -> None:
     _libraries.append(library)
 
 
-def set_enabled(on: bool, source: str = "set") -> None:
-    """Turn one-row software prefetch on or off in every panel kernel, loaded or not."""
-    _state.update(on=bool(on), source=source)
+def set_enabled(on: bool, source: str = "set", **measured) -> None:
+    """Turn one-row software prefetch on or off in every panel kernel, loaded or not;
+    `measured` (a tune's timings) goes into `state()` with it."""
+    _state.update(on=bool(on), source=source, **measured)
     for library in _libraries:
         library.specmoe_set_one_row_prefetch(int(on))
 
@@ -59,7 +60,3 @@ def from_env() -> bool | None:
         raise ValueError(f"{ENV} must be 0 or 1, got {value!r}")
     return value == "1"
 
-
-def update(**measured) -> None:
-    """Record a tune's measurements in `state()`."""
-    _state.update(measured)

@@ -36,7 +36,7 @@ def tune(packed: list[torch.Tensor]) -> dict:
         panel_prefetch.set_enabled(forced, "env")
         return panel_prefetch.state()
     calls = _calls(packed)
-    nbytes = sum(w.nbytes for w, _, _ in calls)
+    nbytes = sum(w.nbytes for w, _ in calls)
     kernel = gemv._lazy.get() if nbytes >= MIN_TUNE_BYTES and gemv.is_enabled() else None
     if kernel is None:
         return panel_prefetch.state()
@@ -48,17 +48,17 @@ def tune(packed: list[torch.Tensor]) -> dict:
             if rep:  # the first pass each way warms up
                 best[on] = min(best[on], seconds)
     chosen = best[True] < (1 - MARGIN) * best[False]
-    panel_prefetch.set_enabled(chosen, "tuned")
-    panel_prefetch.update(off_s=best[False], on_s=best[True], bytes=nbytes)
+    panel_prefetch.set_enabled(chosen, "tuned", off_s=best[False], on_s=best[True],
+                               bytes=nbytes)
     logger.info("one-row panel prefetch %s: a one-row pass over %.0f MB of weights took "
                 "%.1f ms without, %.1f ms with", "on" if chosen else "off", nbytes / 1e6,
                 best[False] * 1e3, best[True] * 1e3)
     return panel_prefetch.state()
 
 
-def _calls(packed: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(panels of one matrix, x [1, K], y [1, N]) for the first TUNE_BYTES of `packed`,
-    each leading index of a stacked (expert) tensor a matrix of its own."""
+def _calls(packed: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(panels of one matrix, x [1, K]) for the first TUNE_BYTES of `packed`, each leading
+    index of a stacked (expert) tensor a matrix of its own."""
     calls, total, xs = [], 0, {}
     for tensor in packed:
         if (tensor.dtype is not torch.bfloat16 or tensor.dim() < 4 or not tensor.is_cpu
@@ -71,15 +71,13 @@ def _calls(packed: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor,
             k = 2 * j
             if k not in xs:
                 xs[k] = torch.randn(1, k).to(torch.bfloat16)
-            calls.append((matrix, xs[k], torch.empty(1, 64 * p, dtype=torch.bfloat16)))
+            calls.append((matrix, xs[k]))
             total += matrix.nbytes
     return calls
 
 
 def _timed_pass(kernel, calls) -> float:
-    threads = torch.get_num_threads()
     start = time.perf_counter()
-    for w, x, y in calls:
-        kernel(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), 1, x.shape[1], y.shape[1],
-               threads)
+    for w, x in calls:
+        gemv.run_kernel(kernel, x, w, 64 * w.shape[0], None)
     return time.perf_counter() - start

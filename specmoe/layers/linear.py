@@ -120,9 +120,15 @@ def prepack_weights(model: nn.Module, release_dense: bool = False) -> int:
     """`prepack()` every `PackedWeights` submodule of `model` and, with `release_dense`,
     drop the dense copies of the packed weights it owns (`release_dense()`) right after.
     Returns the bytes of packed copies."""
-    subs = [sub for sub in model.modules() if isinstance(sub, PackedWeights)]
-    for sub in subs:
-        sub.prepack()
-        if release_dense:  # one module at a time: memory peaks at the model + one module
-            sub.release_dense()
-    return sum(t.nbytes for sub in subs for t in sub.extra_weights())
+    for sub in model.modules():
+        if isinstance(sub, PackedWeights):
+            sub.prepack()
+            if release_dense:  # one module at a time: memory peaks at the model + one module
+                sub.release_dense()
+    return sum(t.nbytes for t in packed_copies(model))
+
+
+def packed_copies(model: nn.Module) -> list[torch.Tensor]:
+    """The packed copies the `PackedWeights` submodules of `model` hold, in module order."""
+    return [t for sub in model.modules() if isinstance(sub, PackedWeights)
+            for t in sub.extra_weights()]

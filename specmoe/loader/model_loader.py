@@ -13,7 +13,7 @@ from specmoe import kernels
 from specmoe.config import ArchConfig, ModelConfig
 from specmoe.kernels import panel_prefetch_tune
 from specmoe.kernels.build import cpu_reason
-from specmoe.layers.linear import PackedWeights, prepack_weights
+from specmoe.layers.linear import packed_copies, prepack_weights
 from specmoe.layers.moe.backends import moe_blocks, resolve_moe_backend, set_moe_backend
 from specmoe.layers.quantization import quantize_model
 from specmoe.loader.aliases import resolve_model_path
@@ -144,8 +144,7 @@ def prepare_for_inference(model: torch.nn.Module, device: torch.device, dtype: t
         # the bf16 kernel's panel copies replace the dense weights, and move with the rest:
         prepack_weights(model, release_dense=not keep_dense)
         hugepages.rehome_module(model)  # decoding streams the weights: 2 MiB pages
-        panel_prefetch_tune.tune([t for sub in model.modules() if isinstance(sub, PackedWeights)
-                                  for t in sub.extra_weights()])
+        panel_prefetch_tune.tune(packed_copies(model))
 
 
 def _native_bf16(device: torch.device, dtype: torch.dtype) -> bool:

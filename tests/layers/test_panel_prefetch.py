@@ -96,10 +96,10 @@ def test_tune_reads_at_most_its_budget_of_weights(monkeypatch):
     monkeypatch.setattr(panel_prefetch_tune, "TUNE_BYTES", 1 << 20)
     others = [torch.zeros(4, 4, 64, 2), torch.zeros(8, 64, 2, dtype=torch.bfloat16)]
     calls = panel_prefetch_tune._calls(others + _weights(8 << 20))  # not panels: skipped
-    nbytes = sum(w.nbytes for w, _, _ in calls)
+    nbytes = sum(w.nbytes for w, _ in calls)
     assert 1 << 20 <= nbytes < (1 << 20) + 2 * calls[0][0].nbytes
-    for w, x, y in calls:  # one matrix each, with its input and output rows
-        assert w.dim() == 4 and x.shape == (1, 2 * w.shape[1]) and y.shape == (1, 64 * w.shape[0])
+    for w, x in calls:  # one matrix each, with its input row
+        assert w.dim() == 4 and x.shape == (1, 2 * w.shape[1])
 
 
 def test_tune_leaves_small_models_undecided(monkeypatch):
