@@ -103,6 +103,7 @@ class EngineSnapshot:
             `stats.STEP_ERRORS_KEPT`), newest last.
         realized_gain_factors: `EngineStats.realized_gain_factors`.
         num_trimmed_draft_tokens: `EngineStats.num_trimmed_draft_tokens`.
+        num_shadow_draft_tokens, num_shadow_accepted_tokens: the same `EngineStats` counts.
     """
 
     num_running: int
@@ -122,6 +123,8 @@ class EngineSnapshot:
     recent_step_time_errors: tuple[float, ...] = ()
     realized_gain_factors: dict[int, float] = field(default_factory=dict)
     num_trimmed_draft_tokens: int = 0
+    num_shadow_draft_tokens: int = 0
+    num_shadow_accepted_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -501,7 +504,9 @@ class AsyncEngine:
             num_step_time_predictions=engine.stats.num_step_time_predictions,
             recent_step_time_errors=_newest(engine.stats.step_time_errors, 8),
             realized_gain_factors=dict(engine.stats.realized_gain_factors),
-            num_trimmed_draft_tokens=engine.stats.num_trimmed_draft_tokens))
+            num_trimmed_draft_tokens=engine.stats.num_trimmed_draft_tokens,
+            num_shadow_draft_tokens=engine.stats.num_shadow_draft_tokens,
+            num_shadow_accepted_tokens=engine.stats.num_shadow_accepted_tokens))
 
     @staticmethod
     def _safe_observe(fn, arg) -> None:

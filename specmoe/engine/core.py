@@ -30,6 +30,7 @@ from specmoe.sample.ops import compute_logprobs
 from specmoe.spec_decode.adaptive import AdaptivePolicy
 from specmoe.spec_decode.routing_overlap import RoutingSampler
 from specmoe.spec_decode.proposer import ProposeRequest
+from specmoe.spec_decode.shadow import ShadowDrafts
 from specmoe.spec_decode.time_models import call_rows
 from specmoe.utils.threads import make_thread_governor
 from specmoe.worker.model_runner import ModelRunner, SequenceInput
@@ -87,6 +88,7 @@ class EngineCore:
         self.disable_by_batch_size = disable_by_batch_size
         self.batch_size_table = batch_size_table
         self.policy = policy if proposer is not None else None
+        self.shadow = _shadow_drafts(self.policy, proposer)
         self.routing_sampler = (RoutingSampler(target.model)
                                 if self.policy is not None and self.policy.s.is_moe else None)
         self.kv_cache = target.new_paged_cache(num_kv_blocks, scheduler_config.block_size)
@@ -179,6 +181,8 @@ class EngineCore:
             self.stats.spec.verify_time_s += verify_time
         self.stats.num_generation_tokens += sum(num_emitted.values())
         finished = self.scheduler.update_from_output(out, num_rejected)
+        if self.shadow is not None and not leased:
+            self._resolve_shadows(reqs)
         for req in finished:
             self._forget(req.request_id)
             self.stats.spec.merge(req.spec_stats, times=False)
@@ -198,6 +202,8 @@ class EngineCore:
                 self.policy.grant_lease([req.request_id for req in live])
         if self.proposer is not None:
             self.stats.record_draft_ks(ks.values())
+        if self.shadow is not None and cap is None:
+            self._shadow_propose(live, ks)
         if any(ks.values()):
             self._propose(live, ks)
         self.stats.record_step(out.stats)
@@ -415,6 +421,39 @@ class EngineCore:
         self.stats.num_trimmed_draft_tokens += sum(lengths) - sum(keep)
         return keep
 
+    def _shadow_propose(self, live: list[Request], ks: dict[str, int]) -> None:
+        """Shadow drafts (`spec_decode.shadow`) for the requests held at K = 0 that may
+        draft and are due one: proposed now, resolved by `_resolve_shadows` as the tokens
+        come. A proposer that raises only costs the shadows (no request fails for one)."""
+        asks = [ProposeRequest(req.request_id, req.all_token_ids,
+                               min(self._own_k(req), self.policy.s.max_k), req.params,
+                               self._generators[req.request_id])
+                for req in live if ks[req.request_id] == 0
+                and self.shadow.due(req.request_id, req.num_tokens)]
+        asks = [ask for ask in asks if ask.num_tokens > 0]
+        if not asks:
+            return
+        try:
+            proposals = self.proposer.propose(asks)
+        except Exception:  # noqa: BLE001 - a shadow informs the policy, nothing more
+            logger.debug("shadow proposal failed", exc_info=True)
+            return
+        for ask, proposal in zip(asks, proposals):
+            outcome = self.shadow.issue(ask.request_id, len(ask.context), ask.num_tokens,
+                                        proposal.token_ids, proposal.match_length)
+            if outcome is not None:
+                self.policy.observe_shadow(outcome, len(live))
+
+    def _resolve_shadows(self, reqs: list[Request]) -> None:
+        """Feed the policy the open shadows the step's emitted tokens resolve."""
+        base_rows = sum(not req.is_finished for req in reqs)
+        for req in reqs:
+            outcome = self.shadow.resolve(req.request_id, req.all_token_ids)
+            if outcome is not None:
+                self.stats.num_shadow_draft_tokens += outcome.drafted
+                self.stats.num_shadow_accepted_tokens += outcome.accepted
+                self.policy.observe_shadow(outcome, base_rows)
+
     def _drop_drafts(self, request_id: str) -> None:
         self._draft_probs.pop(request_id, None)
         if self.proposer is not None:
@@ -424,7 +463,25 @@ class EngineCore:
         self._drop_drafts(request_id)
         if self.policy is not None:
             self.policy.forget(request_id)
+        if self.shadow is not None:
+            self.shadow.forget(request_id)
         self._generators.pop(request_id, None)
+
+
+def _shadow_drafts(policy: AdaptivePolicy | None, proposer) -> ShadowDrafts | None:
+    """The shadow drafts an adaptive policy asks for (`shadow_every`), where the proposer
+    is stateless (a shadow of a draft model would cost its forwards and catch-ups).
+
+    Raises:
+        ValueError: shadow drafts asked for with a proposer that keeps state.
+    """
+    if policy is None or not policy.s.shadow_every:
+        return None
+    if not getattr(proposer, "stateless", False):
+        raise ValueError(f"shadow drafts (shadow_every={policy.s.shadow_every}) need a "
+                         f"stateless proposer such as prompt lookup, not "
+                         f"{getattr(proposer, 'name', type(proposer).__name__)!r}")
+    return ShadowDrafts(policy.s.shadow_every)
 
 
 def _logprobs(req: Request, logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob] | None:

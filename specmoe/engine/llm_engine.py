@@ -24,6 +24,7 @@ from specmoe.outputs import RequestOutput
 from specmoe.request import Request
 from specmoe.sampling_params import SamplingParams
 from specmoe.spec_decode.adaptive import AdaptivePolicy, AdaptiveSettings
+from specmoe.spec_decode.shadow import SHADOW_EVERY
 from specmoe.spec_decode.factory import build_proposer
 from specmoe.worker.kv_cache import PagedKVCache
 from specmoe.worker.model_runner import ModelRunner
@@ -300,7 +301,9 @@ def _adaptive_policy(speculative: SpeculativeConfig | None, target: ModelRunner
     return AdaptivePolicy(AdaptiveSettings(max_k=speculative.num_speculative_tokens,
                                            num_experts=n, top_k=k,
                                            draft_rows_model=speculative.draft_cost == "rows",
-                                           match_trim=speculative.match_trim))
+                                           match_trim=speculative.match_trim,
+                                           shadow_every=(SHADOW_EVERY if speculative.method
+                                                         == "ngram" else 0)))
 
 
 def _num_kv_blocks(cfg: SchedulerConfig, target: ModelRunner) -> int:

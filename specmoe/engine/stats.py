@@ -70,6 +70,9 @@ class EngineStats:
             applied it (`spec_decode.realized`; 1: as predicted or better, or no data).
         num_trimmed_draft_tokens: prompt-lookup drafts the adaptive policy cut by their
             match length before verification (`spec_decode.match_trim`).
+        num_shadow_draft_tokens, num_shadow_accepted_tokens: prompt-lookup drafts proposed
+            for requests the adaptive policy held at K = 0 and never verified, and those of
+            them the target then emitted in their places (`spec_decode.shadow`).
         last_step: the most recent step's counters.
     """
 
@@ -88,6 +91,8 @@ class EngineStats:
     num_step_time_predictions: int = 0
     realized_gain_factors: dict[int, float] = field(default_factory=dict)
     num_trimmed_draft_tokens: int = 0
+    num_shadow_draft_tokens: int = 0
+    num_shadow_accepted_tokens: int = 0
     last_step: StepStats | None = None
 
     def record_step_time_error(self, error: float) -> None:
@@ -129,6 +134,8 @@ class EngineStats:
                                                   if self.step_time_errors else None),
             "realized_gain_factors": dict(sorted(self.realized_gain_factors.items())),
             "num_trimmed_draft_tokens": self.num_trimmed_draft_tokens,
+            "num_shadow_draft_tokens": self.num_shadow_draft_tokens,
+            "num_shadow_accepted_tokens": self.num_shadow_accepted_tokens,
             "last_step": asdict(self.last_step) if self.last_step else None,
         }
         if prefix_cache_hit_rate is not None:

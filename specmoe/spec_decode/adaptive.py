@@ -84,6 +84,14 @@ second (the choice in `spec_decode.choice`, the time models in `spec_decode.time
   cost as Cascade's utility test bounds a slowdown (arXiv 2506.20675): on a carved
   Qwen2.5-Coder MoE with the 0.5B draft, probes of 32-token requests at one request cost
   12% of the run.
+- Shadow drafts (`shadow_every`, `spec_decode.shadow`; prompt lookup only): a request held
+  at K = 0 is still proposed for every `shadow_every` tokens, and the proposal, never
+  verified, is scored against the tokens the request then emits (a one-hot draft is
+  accepted exactly when the target emits it), counted as the proposal the match-length
+  trim would keep (`observe_shadow`). Its acceptance then stays current without probes'
+  target rows, and a batch kept off is re-solved as soon as the solves fit
+  `recheck_budget` of its steps' time (at least every `shadow_every` steps) instead of
+  the doubling recheck below, which is for batches nothing informs.
 - Held choices: a solve's Ks stay for the same batch (probes aside) without re-solving
   until a probe's results are in, a request joins or `resolve_every` steps have passed
   (`recheck_every` while every request is at K = 0: nothing informs the choice while no
@@ -117,6 +125,7 @@ second (the choice in `spec_decode.choice`, the time models in `spec_decode.time
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable, Union
 
@@ -126,6 +135,7 @@ from specmoe.spec_decode.choice import choose_ks, predicted_rate
 from specmoe.spec_decode.match_trim import MatchLengthTrim
 from specmoe.spec_decode.realized import RealizedGain
 from specmoe.spec_decode.routing_overlap import miss_log, unique_fraction
+from specmoe.spec_decode.shadow import ShadowOutcome
 from specmoe.spec_decode.time_models import DraftDepthModel, DraftTimeModel, StepTimeModel
 
 
@@ -194,6 +204,8 @@ class AdaptiveSettings:
     realized_prior_steps: float = 8.0
     match_trim: bool = True  # cut prompt-lookup proposals by their match length
     match_trim_explore_every: int = 16  # every this many-th proposal of a length uncut
+    shadow_every: int = 0  # tokens between a held request's shadow drafts (0: none)
+    recheck_budget: float = 0.01  # the share of a shadowed idle batch's time its solves take
 
     @property
     def is_moe(self) -> bool:
@@ -341,6 +353,7 @@ class AdaptivePolicy:
         self._draft_call_s = 0.0  # the drafting call before the step
         self.matches = MatchLengthTrim(settings.max_k, settings.match_trim_explore_every)
         self._match_of: dict[str, int] = {}  # each proposal's match length, until verified
+        self._solve_s, self._solves = 0.0, 0  # a solve's mean seconds, and their count
 
     def observe_verified(self, request_id: str, drafted: int, accepted: int) -> None:
         self.acceptance.observe(request_id, drafted, accepted)
@@ -366,13 +379,34 @@ class AdaptivePolicy:
             self._match_of[r] = n
         if self._expect is None or self._expect[1] is None or self.step_time.coef is None:
             return proposed
+        return self._cut(match_lengths, proposed, base_rows)
+
+    def _cut(self, match_lengths: list[int], proposed: list[int], base_rows: int,
+             explore: bool = True) -> list[int]:
+        """`MatchLengthTrim.cut` priced by the step-time model, for a step of `base_rows`
+        rows before drafts (the fitted model required)."""
         predict = self.step_time.predict_one
         if not self.s.is_moe:  # the rows alone: no windows built per draft counted
             return self.matches.cut(match_lengths, proposed,
-                                    lambda keep: predict(base_rows + sum(keep)))
+                                    lambda keep: predict(base_rows + sum(keep)), explore)
         idle = [1] * max(base_rows - len(proposed), 0)  # requests without a proposal
         return self.matches.cut(match_lengths, proposed, lambda keep: predict(
-            base_rows + sum(keep), self.unique_fraction([1 + k for k in keep] + idle)))
+            base_rows + sum(keep), self.unique_fraction([1 + k for k in keep] + idle)),
+            explore)
+
+    def observe_shadow(self, outcome: ShadowOutcome, base_rows: int) -> None:
+        """A held request's shadow proposal, resolved (`spec_decode.shadow`), counted as
+        the proposal the match-length trim would have kept in a step of `base_rows` rows
+        with no other drafts, verified: its fill and acceptance, and the whole proposal's
+        acceptance for its match length."""
+        kept, n = outcome.drafted, outcome.match_length
+        if self.s.match_trim and n and kept:
+            self.matches.observe(n, kept, outcome.accepted)
+            if self.step_time.coef is not None:
+                kept = self._cut([n], [kept], base_rows, explore=False)[0]
+        self.acceptance.observe_proposed(outcome.request_id, outcome.allowed, kept)
+        if kept:
+            self.acceptance.observe(outcome.request_id, kept, min(outcome.accepted, kept))
 
     def observe_step(self, rows: int, seconds: float, windows: list[int] | None = None
                      ) -> float | None:
@@ -474,7 +508,10 @@ class AdaptivePolicy:
             ks = [min(held.ks[r], c) for r, c in zip(request_ids, caps)]
             return self._keep(request_ids, ks, caps, pending)
         caps_a = np.minimum(np.asarray(caps, dtype=np.int64), self.s.max_k)
+        t0 = time.perf_counter()
         ks = self._solve(request_ids, caps_a, base_rows, pending, remaining)
+        self._solves += 1
+        self._solve_s = _running_mean(self._solve_s, self._solves, time.perf_counter() - t0)
         self._back_off(bool(ks.any()))
         return self._keep(request_ids, ks.tolist(), caps, pending)
 
@@ -583,12 +620,24 @@ class AdaptivePolicy:
         its Ks (at most `resolve_every_max`), else `resolve_every`."""
         held = self._held
         if not ks.any():
+            if self.s.shadow_every:
+                return self._shadow_recheck(len(request_ids))
             if held is not None and held.idle:
                 return min(2 * held.every, self.s.recheck_every_max)
             return self.s.recheck_every
         if held is not None and held.ks == dict(zip(request_ids, ks.tolist())):
             return min(2 * held.every, self.s.resolve_every_max)
         return self.s.resolve_every
+
+    def _shadow_recheck(self, batch: int) -> int:
+        """Steps a batch of `batch` requests kept off is held while shadow drafts inform
+        its estimates: as many as keep the solves within `recheck_budget` of the steps'
+        predicted time, at least `shadow_every` (a shadow's drafts take that many steps to
+        be reached), at most `recheck_every_max`."""
+        step_s = self.step_time.predict_one(batch, self.unique_fraction([1] * batch))
+        steps = (self.s.recheck_every_max if not step_s else
+                 math.ceil(self._solve_s / (self.s.recheck_budget * step_s)))
+        return int(min(max(steps, self.s.shadow_every), self.s.recheck_every_max))
 
     def _drafting(self, request_ids: list[str], gains: np.ndarray, caps: np.ndarray,
                   pending: Pending, remaining: Pending) -> dict:

@@ -62,21 +62,22 @@ class MatchLengthTrim:
         return out
 
     def cut(self, match_lengths: list[int], proposed: list[int],
-            step_s: Callable[[list[int]], float]) -> list[int]:
+            step_s: Callable[[list[int]], float], explore: bool = True) -> list[int]:
         """Per proposal of one step, how many of its drafts to verify: the set of drafts
         that maximises the step's expected tokens per second, (B + the kept drafts'
         gains) / step_s(kept per proposal). For a given number of drafts the best are
         those of most gain (a proposal's gains do not increase along it, so they are a
         prefix of each), so every count is tried in order of gain. Proposals of match
-        length 0 (a draft model's) and each match length's every explore_every-th
-        proposal are kept whole."""
+        length 0 (a draft model's) and, with `explore`, each match length's every
+        explore_every-th proposal are kept whole; without it (a cut that is not verified,
+        `AdaptivePolicy.observe_shadow`) nothing is counted."""
         keep, candidates = [0] * len(proposed), []
         tokens = float(len(proposed))
         gains = {n: self.gains(n) for n in set(match_lengths) if n > 0}  # once per length
         for i, (n, p) in enumerate(zip(match_lengths, proposed)):
             if p <= 0:
                 continue
-            if n <= 0 or self._explores(n):
+            if n <= 0 or (explore and self._explores(n)):
                 keep[i] = p
                 if n > 0:
                     tokens += sum(gains[n][:p])
@@ -92,7 +93,8 @@ class MatchLengthTrim:
                 best_rate, best = rate, count
         for g, i in candidates[best:]:
             keep[i] -= 1
-        self.trimmed += sum(proposed) - sum(keep)
+        if explore:
+            self.trimmed += sum(proposed) - sum(keep)
         return keep
 
     def _explores(self, n: int) -> bool:

@@ -52,6 +52,7 @@ class NgramProposer:
     """
 
     name = "ngram"
+    stateless = True  # nothing kept between calls: shadow drafts cost one lookup each
 
     def __init__(self, min_n: int, max_n: int) -> None:
         if not 1 <= min_n <= max_n:

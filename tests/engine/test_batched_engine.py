@@ -201,15 +201,62 @@ def test_cutting_prompt_lookup_proposals_keeps_outputs_and_counts_the_cut(ngram,
         return ks
     core.policy.choose = chosen
 
-    def half(match_lengths, proposed, step_s):
+    def half(match_lengths, proposed, step_s, explore=True):
         assert step_s(proposed) > 0
-        cut.extend(p - p // 2 for p in proposed)
+        if explore:  # a verified proposal's cut, not a shadow's (counted apart)
+            cut.extend(p - p // 2 for p in proposed)
         return [p // 2 for p in proposed]
     core.policy.matches.cut = half
     outs = llm.generate(prompts, [_greedy(i) for i in range(len(prompts))])
     assert [o.token_ids for o in outs] == alone
     assert sum(cut) > 0 and core.stats.num_trimmed_draft_tokens == sum(cut)
     assert core.stats.to_dict()["num_trimmed_draft_tokens"] == sum(cut)
+    _assert_no_leak(llm)
+
+
+def test_shadow_drafts_of_held_requests_resolve_to_what_the_target_emitted(ngram, prompts,
+                                                                           alone):
+    """Every request held at K = 0 (the policy's choice forced): prompt lookup still
+    proposes for it every `shadow_every` tokens, never verified, and each shadow's accepted
+    count is the run of its drafts the request then emitted; the outputs are the plain
+    ones and the engine counts the shadows."""
+    llm = ngram.with_speculative(dataclasses.replace(ngram.config.speculative,
+                                                     policy="adaptive"))
+    core = llm.engine
+    assert core.shadow is not None and core.shadow.every == core.policy.s.shadow_every
+    core.policy.choose = lambda ids, *args, **kwargs: dict.fromkeys(ids, 0)
+    proposed, outcomes = {}, {}
+    propose, observe = core.proposer.propose, core.policy.observe_shadow
+
+    def traced_propose(asks):
+        out = propose(asks)
+        for ask, p in zip(asks, out):  # the context is the request's live token list
+            proposed.setdefault(ask.request_id, []).append(
+                (ask.context, len(ask.context), p.token_ids[:ask.num_tokens]))
+        return out
+
+    def traced_observe(outcome, base_rows):
+        outcomes.setdefault(outcome.request_id, []).append(outcome)
+        return observe(outcome, base_rows)
+    core.proposer.propose, core.policy.observe_shadow = traced_propose, traced_observe
+    outs = llm.generate(prompts, [_greedy(i) for i in range(len(prompts))])
+    assert [o.token_ids for o in outs] == alone
+    checked = 0
+    for rid, shadows in outcomes.items():
+        for (tokens, start, drafts), out in zip(proposed[rid], shadows):  # in issue order
+            emitted = tokens[start:start + len(drafts)]
+            run = next((i for i, (d, e) in enumerate(zip(drafts, emitted)) if d != e),
+                       len(drafts))
+            assert (out.drafted, out.accepted) == (len(drafts), run)
+            checked += bool(drafts)
+    drafted = sum(o.drafted for v in outcomes.values() for o in v)
+    accepted = sum(o.accepted for v in outcomes.values() for o in v)
+    assert checked > 10 and 0 < accepted < drafted
+    stats = core.stats.to_dict()
+    assert stats["num_shadow_draft_tokens"] == drafted
+    assert stats["num_shadow_accepted_tokens"] == accepted
+    assert stats["spec_decode"]["num_draft_tokens"] == 0
+    assert not core.shadow.open_ids
     _assert_no_leak(llm)
 
 

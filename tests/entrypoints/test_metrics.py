@@ -83,9 +83,11 @@ def test_policy_metrics_follow_snapshots():
     snap = _snapshot(SpecDecodeStats())
     m.on_step(replace(snap, num_steps=2, draft_k_histogram={4: 2},
                       num_step_time_predictions=1, recent_step_time_errors=(0.5,),
-                      num_trimmed_draft_tokens=3))
+                      num_trimmed_draft_tokens=3, num_shadow_draft_tokens=8,
+                      num_shadow_accepted_tokens=2))
     m.on_step(replace(snap, num_steps=5, draft_k_histogram={0: 1, 4: 3},
-                      num_trimmed_draft_tokens=7,
+                      num_trimmed_draft_tokens=7, num_shadow_draft_tokens=20,
+                      num_shadow_accepted_tokens=5,
                       num_step_time_predictions=3,
                       recent_step_time_errors=(0.5, 0.02, 0.04),
                       realized_gain_factors={1: 0.75, 4: 1.0}))
@@ -106,6 +108,8 @@ def test_policy_metrics_follow_snapshots():
     assert one("specmoe:spec_decode_realized_gain_factor", batch_size="1") == 0.75
     assert one("specmoe:spec_decode_realized_gain_factor", batch_size="4") == 1.0
     assert one("specmoe:spec_decode_num_trimmed_draft_tokens_total") == 7
+    assert one("specmoe:spec_decode_num_shadow_draft_tokens_total") == 20
+    assert one("specmoe:spec_decode_num_shadow_accepted_tokens_total") == 5
 
 
 def test_dense_model_has_no_expert_load():

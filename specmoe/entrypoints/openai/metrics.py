@@ -14,7 +14,9 @@ specmoe:spec_decode_num_paused_steps (steps after which no request drafted: the 
 rules or the adaptive policy turned speculation off), specmoe:engine_steps (with the paused
 steps: the fraction of steps with speculation off),
 specmoe:spec_decode_num_trimmed_draft_tokens (prompt-lookup drafts the adaptive policy cut by
-their match length before verification), specmoe:engine_step_failures,
+their match length before verification), specmoe:spec_decode_num_shadow_draft_tokens and
+specmoe:spec_decode_num_shadow_accepted_tokens (prompt-lookup drafts proposed for requests
+held at K = 0 and never verified, and those the target then emitted), specmoe:engine_step_failures,
 specmoe:http_responses{status} and, for MoE targets, specmoe:moe_expert_load{layer,expert}
 (tokens routed to each expert in the sampled steps, one engine step in
 `EXPERT_LOAD_EVERY`: recording routing takes a MoE layer off the fused decoder driver, so
@@ -100,6 +102,11 @@ class ServerMetrics(NullEngineObserver):
                               "or K=0 in the batch-size table.")
         self.trimmed = c("spec_decode_num_trimmed_draft_tokens", "Prompt-lookup drafts the "
                          "adaptive policy cut by their match length before verification.")
+        self.shadow_drafts = c("spec_decode_num_shadow_draft_tokens", "Prompt-lookup drafts "
+                               "proposed for requests the adaptive policy held at K = 0, "
+                               "never verified.")
+        self.shadow_accepted = c("spec_decode_num_shadow_accepted_tokens", "Shadow drafts "
+                                 "the target then emitted in their places.")
         self.step_failures = c("engine_step_failures", "Engine steps that raised.")
         self.steps = c("engine_steps", "Engine steps that ran a forward.")
         self.http_responses = Counter(P + "http_responses",
@@ -123,7 +130,8 @@ class ServerMetrics(NullEngineObserver):
                        self.kv_total, self.prefix_queries, self.prefix_hits, self.preemptions,
                        self.prompt_tokens, self.generation_tokens, self.num_drafts,
                        self.num_draft_tokens, self.num_accepted, self.paused_steps,
-                       self.trimmed, self.step_failures, self.steps, self.ttft, self.tpot, self.e2e,
+                       self.trimmed, self.shadow_drafts, self.shadow_accepted,
+                       self.step_failures, self.steps, self.ttft, self.tpot, self.e2e,
                        self.draft_k, self.step_error, self.request_acceptance):
             metric.labels(model_name)  # every series is exposed from the start, at 0
 
@@ -207,6 +215,10 @@ class ServerMetrics(NullEngineObserver):
         self._inc(self.paused_steps, s.num_spec_paused_steps, last and last.num_spec_paused_steps)
         self._inc(self.trimmed, s.num_trimmed_draft_tokens,
                   last and last.num_trimmed_draft_tokens)
+        self._inc(self.shadow_drafts, s.num_shadow_draft_tokens,
+                  last and last.num_shadow_draft_tokens)
+        self._inc(self.shadow_accepted, s.num_shadow_accepted_tokens,
+                  last and last.num_shadow_accepted_tokens)
         per_pos = spec.num_accepted_per_position
         for pos, n in enumerate(per_pos):
             before = self._last_per_pos[pos] if pos < len(self._last_per_pos) else 0
