@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from specmoe.engine.core import _shadow_drafts
 from specmoe.spec_decode.adaptive import AdaptivePolicy, AdaptiveSettings
+from specmoe.spec_decode.ngram import NgramProposer
 from specmoe.spec_decode.shadow import ShadowDrafts, ShadowOutcome
 
 PROMPT = [5, 6, 7]
@@ -108,3 +110,16 @@ def test_a_shadowed_batch_kept_off_is_rechecked_within_the_solve_budget():
     assert p._shadow_recheck(4) == 8
     p._solve_s = 1.0
     assert p._shadow_recheck(4) == 256
+
+
+def test_shadow_drafts_need_a_stateless_proposer():
+    """Only a proposer that keeps no state (prompt lookup) is shadowed: a draft model's
+    shadow would cost its forwards and catch-ups. shadow_every = 0 asks for none."""
+    policy = AdaptivePolicy(AdaptiveSettings(max_k=4, shadow_every=8))
+    assert _shadow_drafts(policy, NgramProposer(1, 3)).every == 8
+    assert _shadow_drafts(AdaptivePolicy(AdaptiveSettings(max_k=4)), object()) is None
+
+    class DraftModel:
+        name = "draft"
+    with pytest.raises(ValueError, match="stateless proposer.*'draft'"):
+        _shadow_drafts(policy, DraftModel())
