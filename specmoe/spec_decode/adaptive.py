@@ -88,8 +88,8 @@ second (the choice in `spec_decode.choice`, the time models in `spec_decode.time
   at K = 0 is still proposed for every `shadow_every` tokens, and the proposal, never
   verified, is scored against the tokens the request then emits (a one-hot draft is
   accepted exactly when the target emits it), counted as the proposal the match-length
-  trim would keep (`observe_shadow`). Its acceptance then stays current without probes'
-  target rows, and a batch kept off is re-solved as soon as the solves fit
+  trim would keep (`observe_shadow`). Its acceptance then stays current between probes
+  at no cost in target rows, and a batch kept off is re-solved as soon as the solves fit
   `recheck_budget` of its steps' time (at least every `shadow_every` steps) instead of
   the doubling recheck below, which is for batches nothing informs.
 - Held choices: a solve's Ks stay for the same batch (probes aside) without re-solving
