@@ -30,7 +30,7 @@ from specmoe.sample.ops import compute_logprobs
 from specmoe.spec_decode.adaptive import AdaptivePolicy
 from specmoe.spec_decode.routing_overlap import RoutingSampler
 from specmoe.spec_decode.proposer import ProposeRequest
-from specmoe.spec_decode.shadow import ShadowDrafts
+from specmoe.spec_decode.shadow import ShadowDrafts, ShadowOutcome
 from specmoe.spec_decode.time_models import call_rows
 from specmoe.utils.threads import make_thread_governor
 from specmoe.worker.model_runner import ModelRunner, SequenceInput
@@ -381,8 +381,7 @@ class EngineCore:
         for req in reqs:
             k = ks[req.request_id]
             if k > 0:
-                asks.append((req, ProposeRequest(req.request_id, req.all_token_ids, k,
-                                                 req.params, self._generators[req.request_id])))
+                asks.append((req, self._ask(req, k)))
         if not asks:
             return
         pending = self._pending_tokens([req for req, _ in asks])
@@ -425,9 +424,7 @@ class EngineCore:
         """Shadow drafts (`spec_decode.shadow`) for the requests held at K = 0 that may
         draft and are due one: proposed now, resolved by `_resolve_shadows` as the tokens
         come. A proposer that raises only costs the shadows (no request fails for one)."""
-        asks = [ProposeRequest(req.request_id, req.all_token_ids,
-                               min(self._own_k(req), self.policy.s.max_k), req.params,
-                               self._generators[req.request_id])
+        asks = [self._ask(req, min(self._own_k(req), self.policy.s.max_k))
                 for req in live if ks[req.request_id] == 0
                 and self.shadow.due(req.request_id, req.num_tokens)]
         asks = [ask for ask in asks if ask.num_tokens > 0]
@@ -442,17 +439,28 @@ class EngineCore:
             outcome = self.shadow.issue(ask.request_id, len(ask.context), ask.num_tokens,
                                         proposal.token_ids, proposal.match_length)
             if outcome is not None:
-                self.policy.observe_shadow(outcome, len(live))
+                self._observe_shadow(outcome, len(live))
 
     def _resolve_shadows(self, reqs: list[Request]) -> None:
         """Feed the policy the open shadows the step's emitted tokens resolve."""
-        base_rows = sum(not req.is_finished for req in reqs)
+        base_rows = None  # the requests going on: counted once, where a shadow resolves
         for req in reqs:
             outcome = self.shadow.resolve(req.request_id, req.all_token_ids)
             if outcome is not None:
-                self.stats.num_shadow_draft_tokens += outcome.drafted
-                self.stats.num_shadow_accepted_tokens += outcome.accepted
-                self.policy.observe_shadow(outcome, base_rows)
+                if base_rows is None:
+                    base_rows = sum(not r.is_finished for r in reqs)
+                self._observe_shadow(outcome, base_rows)
+
+    def _observe_shadow(self, outcome: ShadowOutcome, base_rows: int) -> None:
+        """Count a resolved shadow and hand it to the policy."""
+        self.stats.num_shadow_draft_tokens += outcome.drafted
+        self.stats.num_shadow_accepted_tokens += outcome.accepted
+        self.policy.observe_shadow(outcome, base_rows)
+
+    def _ask(self, req: Request, k: int) -> ProposeRequest:
+        """What the proposer is asked for `req`: k tokens continuing its context."""
+        return ProposeRequest(req.request_id, req.all_token_ids, k, req.params,
+                              self._generators[req.request_id])
 
     def _drop_drafts(self, request_id: str) -> None:
         self._draft_probs.pop(request_id, None)

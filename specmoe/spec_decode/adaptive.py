@@ -401,7 +401,7 @@ class AdaptivePolicy:
         acceptance for its match length."""
         kept, n = outcome.drafted, outcome.match_length
         if self.s.match_trim and n and kept:
-            self.matches.observe(n, kept, outcome.accepted)
+            self.matches.observe(n, outcome.drafted, outcome.accepted)  # the whole proposal
             if self.step_time.coef is not None:
                 kept = self._cut([n], [kept], base_rows, explore=False)[0]
         self.acceptance.observe_proposed(outcome.request_id, outcome.allowed, kept)
