@@ -12,11 +12,11 @@ prompts. Waves end on their slowest request: where speculation lets some request
 finish early, the rest of the wave runs a smaller batch, which a server with requests
 waiting would not. The engine's counters (`EngineStats`) are reset before each run and the
 target's prefix cache is emptied, so every run starts cold. Modes are interleaved: each
-repetition sweeps every C, and at each C the modes alternate wave by wave
-(`interleave="wave"`: wave 1 plain, wave 1 speculative, wave 2 ...; "run": whole runs,
-plain then speculative), so the machine's drift hits every mode (and every C) alike, and the
-ratios (throughput at C over plain throughput at C=1, speculative over plain at C) are taken
-within one repetition and summarised by their median.
+repetition sweeps every C, and at each C the modes' runs take turns of half a second of
+stepping (`interleave="slice"`; "wave": wave by wave; "run": whole runs, plain then
+speculative; `throughput_run`), so the machine's drift hits every mode (and every C) alike,
+and the ratios (throughput at C over plain throughput at C=1, speculative over plain at C)
+are taken within one repetition and summarised by their median.
 """
 
 from __future__ import annotations
@@ -31,12 +31,10 @@ from specmoe.bench.throughput_stats import (AA_MODE, aggregate, ratios, slowest_
                                             target_line)
 from specmoe.config import ArchConfig, ExpertParallelConfig
 from specmoe.engine.kv_cache_manager import blocks_for_requests
-from specmoe.bench import throughput_ep
+from specmoe.bench.throughput_run import ARRIVALS, INTERLEAVE, SLICE_SECONDS, run_interleaved
 from specmoe.loader.aliases import DEFAULT_MODEL
 from specmoe.utils.data import DATASETS, load_prompts
 
-INTERLEAVE = ("wave", "run")  # how the modes alternate within a repetition
-ARRIVALS = ("waves", "closed")  # how a run at C < num_requests submits its requests
 SPEC_BENCH_CATEGORIES = ["summarization", "rag", "translation", "qa", "math_reasoning"]
 # One step's counters as recorded in each run's "steps" (one list per step).
 
@@ -71,12 +69,13 @@ class ThroughputBenchConfig:
             baseline of the scaling ratios (1 for the target line).
         max_tokens: tokens generated per request (EOS ignored).
         reps: repetitions of the whole sweep.
-        interleave: "wave" (the modes alternate wave by wave within each run: the fairest
-            under a drifting machine) or "run" (whole runs, one mode after another).
-        arrival: "closed" (a run at C < num_requests keeps C requests in flight; its whole
-            run is then the one "wave" the modes alternate by, their order reversed every
-            other repetition) or "waves" (it submits waves of C, the default before
-            2026-12-05).
+        interleave: "slice" (the modes' runs at one C alternate every `slice_seconds` of
+            stepping: the fairest under a drifting machine), "wave" (they alternate wave
+            by wave; a closed loop's run is one wave) or "run" (whole runs, one mode after
+            another).
+        slice_seconds: a mode's turn with interleave "slice".
+        arrival: "closed" (a run at C < num_requests keeps C requests in flight, as one
+            wave) or "waves" (it submits waves of C, the default before 2026-12-05).
         datasets: prompt sets, interleaved; each is taken round-robin over its categories.
         num_requests: requests of a run at C < num_requests (see arrival); a run at a larger
             C has C requests. max(num_requests, max(concurrency)) distinct prompts are used
@@ -117,7 +116,8 @@ class ThroughputBenchConfig:
     expert_parallel_dispatch: str = "replicated"
     expert_placement: str = "contiguous"
     expert_parallel_timeout_s: float = 60.0
-    interleave: str = "wave"
+    interleave: str = "slice"
+    slice_seconds: float = SLICE_SECONDS
     arrival: str = "closed"
 
     def __post_init__(self) -> None:
@@ -131,6 +131,8 @@ class ThroughputBenchConfig:
                 raise ValueError(f"invalid {name}={getattr(self, name)}: must be >= 1")
         if self.interleave not in INTERLEAVE:
             raise ValueError(f"invalid interleave={self.interleave!r}: one of {INTERLEAVE}")
+        if not self.slice_seconds > 0:
+            raise ValueError(f"invalid slice_seconds={self.slice_seconds}: must be > 0")
         if self.arrival not in ARRIVALS:
             raise ValueError(f"invalid arrival={self.arrival!r}: one of {ARRIVALS}")
         bad = [d for d in self.datasets if d not in DATASETS]
@@ -248,17 +250,6 @@ def chat_ids(llm, text: str) -> list[int]:
     return llm.tokenizer.encode(text, add_special_tokens=False)
 
 
-def waves_for(num_prompts: int, concurrency: int, num_requests: int,
-              arrival: str = "waves") -> list[list[int]]:
-    """Prompt indices of a run: max(num_requests, concurrency) requests (prompts cycled
-    over num_prompts) in waves of `concurrency` submitted at once (the last may be short),
-    or with `arrival="closed"` all of them as one wave (run `concurrency` at a time)."""
-    indices = [i % num_prompts for i in range(max(num_requests, concurrency))]
-    if arrival == "closed":
-        return [indices]
-    return [indices[i:i + concurrency] for i in range(0, len(indices), concurrency)]
-
-
 # ---------------------------------------------------------------- running
 
 
@@ -313,169 +304,17 @@ def workload_kv_blocks(cfg: ThroughputBenchConfig, prompts: list[dict],
                                block_size)
 
 
-class RunRecorder:
-    """One run of one engine at one C, recorded wave by wave (`wave`), so that the waves of
-    several engines can alternate; `finish` gives what `run_once` returns. The engine's
-    counters and prefix cache are reset at the start; its step method is timed between
-    `wave` calls only (the target is shared with the other modes' engines)."""
-
-    def __init__(self, llm, concurrency: int) -> None:
-        self.llm, self.concurrency = llm, concurrency
-        core = llm.engine
-        core.reset_stats()
-        llm.reset_prefix_cache()
-        self._prefix = core.scheduler.kv_cache.block_pool.prefix_cache_stats
-        self._queried, self._hit = self._prefix.num_query_tokens, self._prefix.num_hit_tokens
-        self.steps: list[list] = []
-        self.requests: list[dict] = []
-        self.wall = 0.0
-        self.ep_stats: dict | None = None
-
-    def wave(self, prompts: list[dict], indices: list[int], max_tokens: int) -> None:
-        """Run one wave (the prompts at `indices`, at most `concurrency` in flight: more
-        are submitted as others finish) and add it."""
-        core = self.llm.engine
-        probe = throughput_ep.CommunicationProbe.start(self.llm)
-        core.step = _timed_step(core, self.steps)  # instance attribute shadows the method
-        try:
-            t0 = time.perf_counter()
-            self.requests += _run_wave(self.llm, prompts, indices, max_tokens,
-                                       self.concurrency)
-            self.wall += time.perf_counter() - t0
-        finally:
-            del core.step
-            if probe is not None:
-                self.ep_stats = throughput_ep.merge(self.ep_stats, probe.finish())
-
-    def finish(self) -> dict:
-        """The run's raw figures (`run_once`)."""
-        queried = self._prefix.num_query_tokens - self._queried
-        hit_rate = (self._prefix.num_hit_tokens - self._hit) / queried if queried else 0.0
-        num_tokens = sum(r["num_tokens"] for r in self.requests)
-        run = {"concurrency": self.concurrency,
-               "num_waves": -(-len(self.requests) // self.concurrency),
-               "wall_seconds": self.wall, "num_output_tokens": num_tokens,
-               "tokens_per_s": num_tokens / self.wall, "requests": self.requests,
-               "steps": self.steps,
-               "engine_stats": self.llm.engine.stats.to_dict(prefix_cache_hit_rate=hit_rate)}
-        if self.ep_stats is not None:
-            run["expert_parallel"] = self.ep_stats
-        return run
-
-
-def run_once(llm, prompts: list[dict], concurrency: int, max_tokens: int,
-             num_requests: int = 1, arrival: str = "waves") -> dict:
-    """One run at `concurrency` (see `waves_for`): its waves one after another, timed from
-    each wave's submission to its last finish.
-
-    Returns the run's raw figures: wall seconds (the waves' sum), output tokens, tokens/s,
-    every request (latency from its wave's submission to its finish, time to first token,
-    decode tokens/s), every step (`STEP_FIELDS`), the engine's statistics over the run and
-    its prefix-cache hit rate.
-    """
-    rec = RunRecorder(llm, concurrency)
-    for wave in waves_for(len(prompts), concurrency, num_requests, arrival):
-        rec.wave(prompts, wave, max_tokens)
-    return rec.finish()
-
-
-def run_interleaved(engines: dict, modes: list[str], prompts: list[dict], concurrency: int,
-                    max_tokens: int, num_requests: int, on_wave=None,
-                    arrival: str = "waves", reverse: bool = False) -> dict[str, dict]:
-    """One run per mode at `concurrency`, their waves alternating: wave 1 in every mode,
-    then wave 2, ..., the modes' order reversed on every other wave (so no mode always
-    follows the same one; `reverse`: starting reversed). The machine's drift within the run
-    (memory bandwidth moving by tens of percent within a minute) then hits every mode
-    alike. A mode that raises is dropped from the remaining waves and returned as
-    {"error": ...}."""
-    recs = {m: RunRecorder(engines[m], concurrency) for m in modes}
-    errors: dict[str, dict] = {}
-    waves = waves_for(len(prompts), concurrency, num_requests, arrival)
-    for i, wave in enumerate(waves):
-        for mode in (modes if (i % 2 == 0) != reverse else modes[::-1]):
-            if mode in errors:
-                continue
-            try:
-                recs[mode].wave(prompts, wave, max_tokens)
-            except Exception as exc:  # noqa: BLE001 - kept in the report
-                errors[mode] = {"concurrency": concurrency,
-                                "error": f"{type(exc).__name__}: {exc}"}
-            if on_wave is not None:
-                on_wave(mode, len(wave))
-    return {m: errors.get(m) or recs[m].finish() for m in modes}
-
-
-def _run_wave(llm, prompts: list[dict], indices: list[int], max_tokens: int,
-              concurrency: int) -> list[dict]:
-    """The requests of `indices`, `concurrency` in flight, each submitted as soon as a
-    slot frees (all at once where they fit); a row per request, its latency from its own
-    submission.
-
-    Raises:
-        ValueError: a prompt the engine refuses (as `LLM.generate`).
-    """
-    from specmoe.sampling_params import SamplingParams
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    queue = list(indices)[::-1]
-    inflight: dict[str, tuple] = {}  # request id -> (prompt index, submitted at, request)
-    rows = []
-
-    def submit() -> None:
-        i = queue.pop()
-        req = llm.make_request(prompts[i]["token_ids"], params)
-        llm.add_request(req)
-        inflight[req.request_id] = (i, time.perf_counter(), req)
-    try:
-        while queue and len(inflight) < concurrency:
-            submit()
-        while inflight:
-            for done in llm.engine.step():
-                i, t0, req = inflight.pop(done.request_id)
-                rows.append(_request_row(req, i, time.perf_counter() - t0))
-                if queue:
-                    submit()
-    finally:  # an error or interrupt must not leave requests holding KV cache blocks
-        for _, _, req in inflight.values():
-            llm.engine.abort_request(req.request_id)
-    return rows
-
-
-def _timed_step(core, steps: list[list]):
-    step = core.step
-
-    def timed():
-        num_steps, emitted = core.stats.num_steps, core.stats.num_generation_tokens
-        t = time.perf_counter()
-        out = step()
-        seconds = time.perf_counter() - t
-        last = core.stats.last_step
-        if core.stats.num_steps > num_steps and last is not None:
-            steps.append([round(seconds, 5), last.num_scheduled_requests,
-                          last.num_scheduled_tokens, last.num_draft_tokens,
-                          last.num_preempted, last.num_logits,
-                          core.stats.num_generation_tokens - emitted])
-        return out
-    return timed
-
-
-def _request_row(req, prompt_index: int, latency: float) -> dict:
-    m, num_tokens = req.metrics, len(req.output_token_ids)
-    return {"prompt_index": prompt_index, "num_prompt_tokens": len(req.prompt_token_ids),
-            "num_tokens": num_tokens, "finish_reason": req.finish_reason,
-            "latency_s": latency, "first_token_s": m.first_token_time_s,
-            "decode_tokens_per_s": m.decode_tokens_per_s(num_tokens)}
-
-
 def run_sweep(cfg: ThroughputBenchConfig, engines: dict, prompts: list[dict]) -> list[dict]:
-    """Every repetition x concurrency, all modes interleaved (`cfg.interleave`: wave by
-    wave, `run_interleaved` over all modes, or run by run, plain then the others), with a
-    progress bar in output tokens. A run that raises is kept with its "error" and the sweep
-    goes on."""
+    """Every repetition x concurrency, all modes interleaved (`cfg.interleave`: slice by
+    slice or wave by wave, `run_interleaved` over all modes, or run by run, plain then the
+    others; their order reversed on odd repetitions), with a progress bar in output
+    tokens. A run that raises is kept with its "error" and the sweep goes on."""
     from rich.progress import Progress
     runs = []
     total = cfg.reps * len(cfg.modes) * cfg.max_tokens * sum(
         max(c, cfg.num_requests) for c in cfg.concurrency)
-    groups = [list(cfg.modes)] if cfg.interleave == "wave" else [[m] for m in cfg.modes]
+    groups = [[m] for m in cfg.modes] if cfg.interleave == "run" else [list(cfg.modes)]
+    slice_s = cfg.slice_seconds if cfg.interleave == "slice" else None
     with Progress() as progress:
         task = progress.add_task("bench throughput", total=total)
 
@@ -487,7 +326,7 @@ def run_sweep(cfg: ThroughputBenchConfig, engines: dict, prompts: list[dict]) ->
                     progress.update(task, description=f"rep {rep + 1} C={c} {', '.join(modes)}")
                     done = run_interleaved(engines, modes, prompts, c, cfg.max_tokens,
                                            cfg.num_requests, advance, cfg.arrival,
-                                           reverse=rep % 2 == 1)
+                                           reverse=rep % 2 == 1, slice_seconds=slice_s)
                     runs += [{"mode": m, "rep": rep} | done[m] for m in modes]
     return runs
 

@@ -415,7 +415,11 @@ def _interleave(cfg: dict) -> str:
     """How the report's modes alternated (configs saved before `interleave` ran whole runs)."""
     if cfg["draft"] == "none":
         return "(plain only)"
-    if cfg.get("interleave", "run") == "wave":
+    interleave = cfg.get("interleave", "run")
+    if interleave == "slice":
+        return (f"(at each C the modes' runs take turns of {cfg['slice_seconds']} s of "
+                "stepping, their order reversed every other turn)")
+    if interleave == "wave":
         if cfg.get("arrival", "waves") == "closed":
             return ("(at each C the modes' runs alternate, their order reversed every other "
                     "repetition)")

@@ -179,9 +179,12 @@ def add_bench_throughput_parser(bench) -> None:
                     help="Spec-Bench tasks to draw prompts from (default: %(default)s); "
                          "a mixed workload: --datasets humaneval,spec_bench "
                          "--spec-bench-categories translation")
-    tp.add_argument("--interleave", choices=["wave", "run"], default=d.interleave,
-                    help="how the modes alternate at each C: wave by wave (default; the "
-                         "machine's drift hits every mode alike) or whole runs")
+    tp.add_argument("--interleave", choices=["slice", "wave", "run"], default=d.interleave,
+                    help="how the modes alternate at each C: by turns of --slice-seconds "
+                         "of stepping (default; the machine's drift hits every mode alike), "
+                         "wave by wave, or whole runs")
+    tp.add_argument("--slice-seconds", type=float, default=d.slice_seconds,
+                    help="a mode's turn with --interleave slice (default: %(default)s)")
     tp.add_argument("--arrival", choices=["waves", "closed"], default=d.arrival,
                     help="how a run at C < --num-requests submits its requests: keeping "
                          "C in flight, the next as one finishes (default: a closed loop, as "
@@ -340,7 +343,7 @@ def cmd_bench_throughput(args) -> int:
         expert_parallel_dispatch=args.expert_parallel_dispatch,
         expert_placement=args.expert_placement,
         expert_parallel_timeout_s=args.expert_parallel_timeout, interleave=args.interleave,
-        arrival=args.arrival)
+        slice_seconds=args.slice_seconds, arrival=args.arrival)
     out = Path(args.out or f"out/throughput-{time.strftime('%Y%m%d-%H%M')}")
     results = run_throughput_bench(cfg)
     for path in write_report(results, out):

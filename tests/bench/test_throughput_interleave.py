@@ -1,14 +1,18 @@
-"""`bench throughput` alternates the modes wave by wave within a run (`run_interleaved`), so
-the machine's drift hits every mode alike: the order of the waves, the runs equal to whole
-runs of each mode, and a mode that fails dropped from the later waves while the others go
-on; a closed-loop run keeps C requests in flight."""
+"""`bench throughput` alternates the modes within a run (`run_interleaved`), so the machine's
+drift hits every mode alike: by turns of stepping (`slice_seconds`) or wave by wave, the runs
+equal to whole runs of each mode, the time between a mode's turns counted in none of its
+figures, a mode that fails dropped from the later turns while the others go on, every KV
+cache block given back after an interrupt; a closed-loop run keeps C requests in flight."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
 from specmoe import LLM
-from specmoe.bench import throughput
+from specmoe.bench import throughput, throughput_run
+from specmoe.bench.throughput_run import ClosedLoop, run_interleaved, run_once
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -27,25 +31,30 @@ def prompts():
 
 
 def _logged_waves(monkeypatch, engines):
-    """(mode, prompt indices) of every wave run, in order."""
+    """(mode, prompt indices) of every wave, in the order they are planned."""
     names = {id(llm): mode for mode, llm in engines.items()}
-    log, real = [], throughput._run_wave
+    log, real = [], ClosedLoop.__init__
 
-    def run_wave(llm, prompts, indices, max_tokens, concurrency):
+    def init(self, llm, prompts, indices, *args):
         log.append((names[id(llm)], list(indices)))
-        return real(llm, prompts, indices, max_tokens, concurrency)
-    monkeypatch.setattr(throughput, "_run_wave", run_wave)
+        real(self, llm, prompts, indices, *args)
+    monkeypatch.setattr(ClosedLoop, "__init__", init)
     return log
+
+
+def _free_blocks(engines) -> list[int]:
+    return [llm.engine.scheduler.kv_cache.block_pool.num_free_blocks
+            for llm in engines.values()]
 
 
 def test_waves_alternate_and_each_run_is_a_whole_run(engines, prompts, monkeypatch):
     log = _logged_waves(monkeypatch, engines)
-    runs = throughput.run_interleaved(engines, ["plain", "spec"], prompts, 1, 6, 3)
+    runs = run_interleaved(engines, ["plain", "spec"], prompts, 1, 6, 3)
     assert log == [("plain", [0]), ("spec", [0]), ("spec", [1]), ("plain", [1]),
                    ("plain", [2]), ("spec", [2])]
     monkeypatch.undo()
     for mode in ("plain", "spec"):
-        run, whole = runs[mode], throughput.run_once(engines[mode], prompts, 1, 6, 3)
+        run, whole = runs[mode], run_once(engines[mode], prompts, 1, 6, 3)
         assert run["num_waves"] == whole["num_waves"] == 3
         assert run["num_output_tokens"] == whole["num_output_tokens"] == 18
         assert [q["prompt_index"] for q in run["requests"]] == [0, 1, 2]
@@ -55,30 +64,82 @@ def test_waves_alternate_and_each_run_is_a_whole_run(engines, prompts, monkeypat
     assert runs["plain"]["engine_stats"]["spec_decode"]["num_draft_tokens"] == 0
 
 
+def test_slices_alternate_and_the_pauses_count_nowhere(engines, prompts):
+    """Turns of one step each (a slice shorter than any step), a 30 ms pause after every
+    turn: the modes take turns in alternating order until each run ends, each run equals a
+    whole run alone, and no latency, time to first token or wall time holds a pause."""
+    turns = []
+
+    def pause(mode: str, finished: int) -> None:
+        turns.append((mode, finished))
+        time.sleep(0.03)
+    runs = run_interleaved(engines, ["plain", "spec"], prompts * 2, 2, 5, 6,
+                           on_progress=pause, arrival="closed", slice_seconds=1e-6)
+    plain_steps = runs["plain"]["engine_stats"]["num_steps"]
+    spec_steps = runs["spec"]["engine_stats"]["num_steps"]
+    assert len(turns) == plain_steps + spec_steps  # one step a turn
+    both = min(plain_steps, spec_steps)
+    assert [m for m, _ in turns[:2 * both]] == ["plain", "spec", "spec", "plain"] * (
+        both // 2) + ["plain", "spec"] * (both % 2)
+    for mode, run in runs.items():
+        assert sum(n for m, n in turns if m == mode) == 6
+        assert run["num_output_tokens"] == run_once(engines[mode], prompts * 2, 2, 5, 6,
+                                                    "closed")["num_output_tokens"] == 30
+        assert run["wall_seconds"] < 0.03 * len(turns) / 2
+        for q in run["requests"]:
+            assert 0 < q["first_token_s"] <= q["latency_s"] < run["wall_seconds"]
+
+
 def test_a_failing_mode_is_dropped_and_the_others_go_on(engines, prompts, monkeypatch):
     log = _logged_waves(monkeypatch, engines)
-    real, tried = throughput._run_wave, []
+    real, tried = ClosedLoop.advance, []
 
-    def fail_spec(llm, prompts, indices, max_tokens, concurrency):
-        if llm is engines["spec"]:
-            tried.append(list(indices))
+    def fail_spec(self, seconds=None):
+        if self.llm is engines["spec"]:
+            tried.append(sorted(self.queue))
             raise RuntimeError("boom")
-        return real(llm, prompts, indices, max_tokens, concurrency)
-    monkeypatch.setattr(throughput, "_run_wave", fail_spec)
-    runs = throughput.run_interleaved(engines, ["plain", "spec"], prompts, 2, 4, 3)
+        return real(self, seconds)
+    monkeypatch.setattr(ClosedLoop, "advance", fail_spec)
+    free = _free_blocks(engines)
+    runs = run_interleaved(engines, ["plain", "spec"], prompts, 2, 4, 3)
     assert runs["spec"] == {"concurrency": 2, "error": "RuntimeError: boom"}
     assert runs["plain"]["num_output_tokens"] == 12 and runs["plain"]["num_waves"] == 2
-    assert log == [("plain", [0, 1]), ("plain", [2])]
+    assert log == [("plain", [0, 1]), ("spec", [0, 1]), ("plain", [2])]
     assert tried == [[0, 1]]  # not run again after its first failure
+    sliced = run_interleaved(engines, ["spec", "plain"], prompts, 2, 4, 3, arrival="closed",
+                             slice_seconds=1e-6)
+    assert sliced["spec"]["error"] == "RuntimeError: boom"
+    assert sliced["plain"]["num_output_tokens"] == 12
+    assert _free_blocks(engines) == free
 
 
-def test_interleave_option():
+def test_an_interrupt_gives_every_block_back(engines, prompts):
+    """A KeyboardInterrupt between turns ends the sweep with both modes' requests still in
+    flight: both engines get every KV cache block back."""
+    free = _free_blocks(engines)
+
+    def interrupt(mode: str, finished: int) -> None:
+        if mode == "spec":
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        run_interleaved(engines, ["plain", "spec"], prompts, 2, 8, 3, on_progress=interrupt,
+                        arrival="closed", slice_seconds=1e-6)
+    assert _free_blocks(engines) == free
+    assert not any(llm.engine.scheduler.running for llm in engines.values())
+
+
+def test_interleave_options():
     with pytest.raises(ValueError, match="interleave='mode'"):
         throughput.ThroughputBenchConfig(interleave="mode")
+    with pytest.raises(ValueError, match="slice_seconds=0"):
+        throughput.ThroughputBenchConfig(slice_seconds=0)
     from specmoe.entrypoints.cli import build_parser
     args = build_parser().parse_args(["bench", "throughput", "--interleave", "run"])
     assert args.interleave == "run"
-    assert build_parser().parse_args(["bench", "throughput"]).interleave == "wave"
+    args = build_parser().parse_args(["bench", "throughput"])
+    assert (args.interleave, args.slice_seconds) == ("slice", throughput_run.SLICE_SECONDS)
+    assert build_parser().parse_args(["bench", "throughput", "--slice-seconds", "0.25"]
+                                     ).slice_seconds == 0.25
 
 
 def test_a_closed_loop_keeps_c_requests_in_flight(engines, prompts, monkeypatch):
@@ -96,8 +157,8 @@ def test_a_closed_loop_keeps_c_requests_in_flight(engines, prompts, monkeypatch)
         return out
     monkeypatch.setattr(sched, "schedule", schedule)
     free = llm.engine.scheduler.kv_cache.block_pool.num_free_blocks
-    runs = throughput.run_interleaved(engines, ["plain", "spec"], prompts * 2, 2, 5, 5,
-                                      arrival="closed", reverse=True)
+    runs = run_interleaved(engines, ["plain", "spec"], prompts * 2, 2, 5, 5,
+                           arrival="closed", reverse=True)
     assert log == [("spec", [0, 1, 2, 3, 4]), ("plain", [0, 1, 2, 3, 4])]
     assert max(running) == 2 and running.count(2) > len(running) // 2
     run = runs["plain"]
@@ -105,7 +166,7 @@ def test_a_closed_loop_keeps_c_requests_in_flight(engines, prompts, monkeypatch)
     assert run["num_output_tokens"] == 25
     assert all(0 < q["latency_s"] < run["wall_seconds"] for q in run["requests"])
     assert llm.engine.scheduler.kv_cache.block_pool.num_free_blocks == free
-    assert throughput.waves_for(3, 2, 5, "closed") == [[0, 1, 2, 0, 1]]
+    assert throughput_run.waves_for(3, 2, 5, "closed") == [[0, 1, 2, 0, 1]]
     with pytest.raises(ValueError, match="arrival='poisson'"):
         throughput.ThroughputBenchConfig(arrival="poisson")
     from specmoe.entrypoints.cli import build_parser

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from specmoe.bench.throughput import ThroughputBenchConfig, round_robin, waves_for
+from specmoe.bench.throughput import ThroughputBenchConfig, round_robin
+from specmoe.bench.throughput_run import waves_for
 from specmoe.bench.throughput_stats import (STEP_FIELDS, aggregate, full_batch_tokens_per_s,
                                             is_decode_step, percentile, ratios, slowest_steps,
                                             target_line)
@@ -180,7 +181,9 @@ def test_markdown_and_files(runs, tmp_path):
     assert markdown(reloaded) == md  # the report can be rebuilt from the JSON file
     assert "float32, greedy" in md  # no quantised weights named
     assert ("C at a time (each submitted as one finishes)" in md
-            and "(at each C the modes' runs alternate, their order reversed" in md)
+            and "(at each C the modes' runs take turns of 0.5 s of stepping" in md)
+    results["config"]["interleave"] = "wave"
+    assert "(at each C the modes' runs alternate, their order reversed" in markdown(results)
     results["config"]["arrival"] = "waves"
     assert "requests in waves of C" in markdown(results)
     assert "(at each C the modes alternate wave by wave)" in markdown(results)

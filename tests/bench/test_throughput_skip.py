@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from specmoe.bench import throughput
+from specmoe.bench import throughput, throughput_run
 from specmoe.bench.throughput import fitting_prompts
 from specmoe.entrypoints.cli import main
 
@@ -60,7 +60,7 @@ def test_the_aa_control_runs_a_second_plain_engine_alongside(tmp_path):
 def test_failed_runs_exit_non_zero(tmp_path, monkeypatch, capsys):
     def fail(*args, **kwargs):
         raise RuntimeError("boom")
-    monkeypatch.setattr(throughput.RunRecorder, "wave", fail)
+    monkeypatch.setattr(throughput_run.RunRecorder, "advance", fail)
     assert main([*SMALL_RUN, "--out", str(tmp_path)]) == 1
     assert "2 of 2 runs failed, first: RuntimeError: boom" in capsys.readouterr().err
 

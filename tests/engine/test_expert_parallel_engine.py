@@ -53,7 +53,7 @@ def _blocks(llm):
 def _check_bench_and_metrics(ep) -> None:
     """A bench run reports the communication and every (token, slot) pair's rank; the
     server's metrics export them."""
-    from specmoe.bench.throughput import run_once
+    from specmoe.bench.throughput_run import run_once
     from specmoe.entrypoints.openai.metrics import ServerMetrics
     metrics = ServerMetrics("m")
     assert metrics.attach_expert_parallel(ep.target)
