@@ -36,7 +36,6 @@ from specmoe.loader.aliases import DEFAULT_MODEL
 from specmoe.utils.data import DATASETS, load_prompts
 
 SPEC_BENCH_CATEGORIES = ["summarization", "rag", "translation", "qa", "math_reasoning"]
-# One step's counters as recorded in each run's "steps" (one list per step).
 
 
 @dataclass
