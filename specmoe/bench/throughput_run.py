@@ -272,10 +272,9 @@ def run_interleaved(engines: dict, modes: list[str], prompts: list[dict], concur
             for rec in recs.values():
                 rec.plan(prompts, waves, max_tokens)
             i = 0
-            while any(not recs[m].done for m in order(0)):
-                for mode in order(i):
-                    if not recs[mode].done:
-                        turn(mode, lambda r: r.advance(slice_seconds))
+            while turns := [m for m in order(i) if not recs[m].done]:
+                for mode in turns:  # only its own turn can finish a mode's run
+                    turn(mode, lambda r: r.advance(slice_seconds))
                 i += 1
     finally:  # an interrupt must not leave a paused mode's requests holding KV blocks
         for rec in recs.values():
