@@ -145,17 +145,34 @@ def test_idle_leases_skip_the_policy_and_keep_outputs_and_counts():
     assert sum(hist.values()) == sum(live) and hist[0] > sum(live) // 2
 
 
+def _pin_clock(policy, forward_s, draft_s: float) -> None:
+    """Feed `policy` synthetic seconds in place of measured ones: `forward_s(rows)` a
+    forward, `draft_s` a drafted token (the catch-up's tokens included)."""
+    observe_step, observe_draft, leased_step = (policy.observe_step, policy.observe_draft,
+                                                policy.leased_step)
+    policy.observe_step = lambda rows, seconds, windows=None: observe_step(
+        rows, forward_s(rows), windows)
+    policy.observe_draft = lambda depth, seconds, forward_rows=None, catch_ups=None: (
+        observe_draft(depth, draft_s * (depth + sum(catch_ups or [])), forward_rows,
+                      catch_ups))
+    policy.leased_step = lambda request_ids, seconds: leased_step(
+        request_ids, forward_s(len(request_ids or [])))
+
+
 def test_speculating_steps_feed_the_realized_check_and_the_stats():
     """Steps run as the policy chose them reach the realized check with the tokens they
     emitted (one and the accepted drafts) and the seconds of their forward and drafting;
     the factor its choices applied is in the engine's stats. (The policy is told that
-    every draft is accepted, so that it speculates on the tiny draft.)"""
+    every draft is accepted and that a forward costs 1 ms + 10 us a row and drafting
+    0.1 ms a token, so that its choices do not depend on this machine's speed: with
+    measured times a slow phase turned speculation off after 4 steps.)"""
     import numpy as np
     plain = LLM("tiny-moe", dtype="float32")
     spec = plain.with_speculative({"method": "draft", "draft_model": "tiny-moe-draft",
                                    "num_speculative_tokens": 4, "policy": "adaptive"})
     policy = spec.engine.policy
     policy.acceptance.rates = lambda request_id: np.ones(4)
+    _pin_clock(policy, forward_s=lambda rows: 1e-3 + 1e-5 * rows, draft_s=1e-4)
     seen = []
     observe_on = policy.realized.observe_on
     policy.realized.observe_on = lambda *a: seen.append(a) or observe_on(*a)
