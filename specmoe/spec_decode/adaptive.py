@@ -99,9 +99,11 @@ second (the choice in `spec_decode.choice`, the time models in `spec_decode.time
   and the estimates they read move little from one step to the next. A solve that
   returns the Ks it held doubles the hold, up to `resolve_every_max` steps; one that
   changes them (or a new batch) restarts it at `resolve_every`. One that keeps the batch
-  off doubles it too, up to `recheck_every_max`, whatever joined or left. The step-time
-  model is refitted only when a solve needs it, and only once an eighth of its window is
-  new. A batch held off costs a dictionary per step: on tiny-moe, whose steps take under
+  off doubles it too, up to `recheck_every_max`, whatever joined or left; a request that
+  joins a batch held off (some of whose requests go on) waits at K = 0 for its solve
+  until the solves fit `recheck_budget` of the time since the last (a solve of 64
+  requests costs ~4 ms, half a tiny-moe step there). The step-time model is refitted
+  only when a solve needs it, and only once an eighth of its window is new. A batch held off costs a dictionary per step: on tiny-moe, whose steps take under
   a millisecond, the held path's lists and the rechecks cost 3-5% of a step.
 - Prompt lookup fills a slot only where the context has a match: the chance that each
   allowed slot is filled is tracked like acceptance (per request, shrunk towards the
@@ -141,18 +143,24 @@ from specmoe.spec_decode.time_models import DraftDepthModel, DraftTimeModel, Ste
 
 class _Held:
     """A solve's Ks per request, kept while its requests run (some may have left; none
-    joined, no probe between) until `every` steps have passed."""
+    joined unless admitted while the batch is off, no probe between) until `every` steps
+    have passed."""
 
-    __slots__ = ("ks", "every", "steps", "idle", "expected")
+    __slots__ = ("ks", "every", "steps", "idle", "expected", "admitted")
 
     def __init__(self, batch: list[str], ks: list[int], every: int,
                  expected: tuple[float, float] | None = None) -> None:
         self.ks, self.every, self.steps = dict(zip(batch, ks)), every, 1
         self.idle = not any(ks)  # speculation off for the whole batch
         self.expected = expected  # a speculating step's predicted (tokens, seconds)
+        self.admitted = False  # requests joined at K = 0 without a solve (`_admits`)
 
-    def holds(self, batch: list[str]) -> bool:
-        return self.steps < self.every and all(r in self.ks for r in batch)
+    def joined(self, batch: list[str]) -> list[str]:
+        """The requests of `batch` this hold has no K for (an empty list while the hold is
+        still good, and none joined); None once it expired."""
+        if self.steps >= self.every:
+            return None
+        return [r for r in batch if r not in self.ks]
 
 
 class IdleLease:
@@ -205,7 +213,7 @@ class AdaptiveSettings:
     match_trim: bool = True  # cut prompt-lookup proposals by their match length
     match_trim_explore_every: int = 16  # every this many-th proposal of a length uncut
     shadow_every: int = 0  # tokens between a held request's shadow drafts (0: none)
-    recheck_budget: float = 0.01  # the share of a shadowed idle batch's time its solves take
+    recheck_budget: float = 0.01  # the share of an idle batch's time its solves may take
 
     @property
     def is_moe(self) -> bool:
@@ -354,6 +362,8 @@ class AdaptivePolicy:
         self.matches = MatchLengthTrim(settings.max_k, settings.match_trim_explore_every)
         self._match_of: dict[str, int] = {}  # each proposal's match length, until verified
         self._solve_s, self._solves = 0.0, 0  # a solve's mean seconds, and their count
+        self._since_solve_s = 0.0  # seconds of forwards and drafting since the last solve
+        self.clock = time.perf_counter  # times the solves (tests pin it)
 
     def observe_verified(self, request_id: str, drafted: int, accepted: int) -> None:
         self.acceptance.observe(request_id, drafted, accepted)
@@ -420,9 +430,9 @@ class AdaptivePolicy:
         if self._held is not None and self._held.idle:
             self._idle_steps += 1
             if self._idle_steps % self.s.idle_observe_every:
-                self._elapsed_s += seconds
+                self._spend(seconds)
                 return None
-        self._elapsed_s += seconds
+        self._spend(seconds)
         windows = windows or [rows]
         expect = self._expect
         if (expect is not None and expect[1] is not None and len(windows) == expect[0]
@@ -443,6 +453,12 @@ class AdaptivePolicy:
         if self._expect == (rows, None) and len(windows) == rows:
             self.realized.observe_off(rows, seconds, predicted)
         return abs(predicted - seconds) / seconds
+
+    def _spend(self, seconds: float) -> None:
+        """Count a forward's or a drafting call's seconds towards the probes' and the
+        solves' time budgets."""
+        self._elapsed_s += seconds
+        self._since_solve_s += seconds
 
     def observe_overlap(self, overlap: float) -> None:
         """An adjacent-token routing overlap measured on a sampled step (MoE targets)."""
@@ -473,7 +489,7 @@ class AdaptivePolicy:
         if depth > 0:
             self._draft_obs += 1
             self.draft_s = _running_mean(self.draft_s, self._draft_obs, seconds / depth)
-        self._elapsed_s += seconds
+        self._spend(seconds)
         self._draft_call_s = seconds
         if self._probed:
             self._probe_cost_s = seconds
@@ -497,7 +513,7 @@ class AdaptivePolicy:
         if not self.calibrated:  # the requests' own K
             return {r: min(c, self.s.max_k) for r, c in zip(request_ids, caps)}
         held = self._held
-        if held is not None and held.holds(request_ids) and not self._probed:
+        if held is not None and not self._probed and self._admits(held, request_ids):
             # the common step: the last solve's Ks, kept in plain Python (a solve costs
             # a few numpy calls per draft depth, a twentieth of a small target's step)
             held.steps += 1
@@ -508,12 +524,33 @@ class AdaptivePolicy:
             ks = [min(held.ks[r], c) for r, c in zip(request_ids, caps)]
             return self._keep(request_ids, ks, caps, pending)
         caps_a = np.minimum(np.asarray(caps, dtype=np.int64), self.s.max_k)
-        t0 = time.perf_counter()
+        t0 = self.clock()
         ks = self._solve(request_ids, caps_a, base_rows, pending, remaining)
         self._solves += 1
-        self._solve_s = _running_mean(self._solve_s, self._solves, time.perf_counter() - t0)
+        self._solve_s = _running_mean(self._solve_s, self._solves, self.clock() - t0)
+        self._since_solve_s = 0.0
         self._back_off(bool(ks.any()))
         return self._keep(request_ids, ks.tolist(), caps, pending)
+
+    def _admits(self, held: _Held, request_ids: list[str]) -> bool:
+        """Whether `held` gives this step's Ks without a solve: it has not expired and no
+        request joined; or the batch is held off, some of its requests go on, and the
+        solves since the last one would exceed `recheck_budget` of the time since: the
+        requests that joined are then held at K = 0 with the rest (probes still take
+        them) until the budget allows a solve. A solve of 64 requests with a draft model's
+        catch-ups priced costs ~4 ms, a tiny-moe step at 64 requests ~7 ms: solving at
+        each of the prefill chunks that bring requests in cost 3% of a run held off."""
+        joined = held.joined(request_ids)
+        if joined is None:
+            return False
+        if not joined and not held.admitted:
+            return True
+        if (not held.idle or len(joined) == len(request_ids)
+                or self._since_solve_s * self.s.recheck_budget >= self._solve_s):
+            return False
+        held.ks.update(dict.fromkeys(joined, 0))
+        held.admitted = True
+        return True
 
     @property
     def calibrated(self) -> bool:
@@ -530,7 +567,8 @@ class AdaptivePolicy:
         the held choice expires and before a probe is due (by its count of steps and its
         time budget, `_probe_due`)."""
         held = self._held
-        if held is None or not held.idle or self._probed or held.steps >= held.every:
+        if (held is None or not held.idle or self._probed or held.steps >= held.every
+                or held.admitted):  # a solve is due once the budget allows (`_admits`)
             return
         self.lease = IdleLease(request_ids, held.every - held.steps)
 
@@ -560,7 +598,7 @@ class AdaptivePolicy:
         self._held.steps += lease.steps
         self._since_probe += lease.steps
         self._idle_steps += lease.steps
-        self._elapsed_s += lease.seconds
+        self._spend(lease.seconds)
         rows = len(lease.request_ids)
         return self._timed(rows, lease.seconds / lease.steps, [1] * rows)
 

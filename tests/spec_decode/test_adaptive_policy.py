@@ -5,6 +5,8 @@ re-probed, and the acceptance estimate starts at the engine's rate and moves to 
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -278,6 +280,7 @@ def test_requests_held_at_zero_probe_on_the_same_step(monkeypatch):
     import specmoe.spec_decode.adaptive as adaptive
     p = AdaptivePolicy(AdaptiveSettings(max_k=4, probe_every=4, recheck_every=5,
                                         recheck_every_max=5))
+    p.clock = lambda: 0.0  # solves that cost nothing: a join is solved for at once
     _calibrated(p, 0.0, 0.001)
     solves = []
     real = adaptive.choose_ks
@@ -318,8 +321,8 @@ def _engine_steps(policy: AdaptivePolicy, batches: list[list[str]], lease: bool,
 def test_idle_leases_choose_what_choose_would_on_every_step():
     """Leased steps skip `choose` and `observe_step`, yet probes, re-solves and rechecks
     come on the same steps as without leases (the counts handed over when a lease ends),
-    across a request joining and leaving, with probes due by their count of steps or
-    waiting on their time budget (20 ms of drafting at a budget of a half: 20 ms more,
+    across a request joining (held at K = 0 until the solves' budget allows its solve)
+    and leaving, with probes due by their count of steps or waiting on their time budget (20 ms of drafting at a budget of a half: 20 ms more,
     20 steps of one request, 10 of two)."""
     batches = [["a"]] * 60 + [["a", "b"]] * 90 + [["b"]] * 60
     runs = []
@@ -327,11 +330,12 @@ def test_idle_leases_choose_what_choose_would_on_every_step():
         p = AdaptivePolicy(AdaptiveSettings(max_k=4, probe_every=4, probe_every_max=16,
                                             recheck_every=3, recheck_every_max=12,
                                             probe_budget=0.5))
+        p.clock = itertools.count(step=0.0002).__next__  # 0.2 ms a solve: b waits 20 ms
         _calibrated(p, 0.0, 0.001)  # compute-bound: held at zero but for the probes
         chosen, leased = _engine_steps(p, batches, lease)
         assert (leased > len(batches) // 2) == lease
         p.end_lease()  # a lease still running
-        runs.append((chosen, p._since_probe, p.probe_interval, p._elapsed_s))
+        runs.append((chosen, p._since_probe, p.probe_interval, p._elapsed_s, p._solves))
     assert runs[0][0] == runs[1][0]
     probes = [i for i, ks in enumerate(runs[0][0]) if any(ks.values())]
     gaps = {b - a for a, b in zip(probes, probes[1:])}
@@ -373,10 +377,36 @@ def test_a_batch_kept_off_is_rechecked_ever_less_often(monkeypatch):
     solved for at once)."""
     p = AdaptivePolicy(AdaptiveSettings(max_k=4, recheck_every=2, recheck_every_max=8,
                                         probe_every=1000))
+    p.clock = lambda: 0.0  # solves that cost nothing (`test_a_join_into_a_batch_kept_off...`)
     _calibrated(p, 0.0, 0.001)  # compute-bound: held at zero
     assert _solved_at(monkeypatch, p, ["a"], 29, {"a": 0}) == [1, 3, 7, 15, 23]
     # the join, then after the hold of 8
     assert _solved_at(monkeypatch, p, ["a", "b"], 9, {"a": 0, "b": 0}) == [1, 9]
+
+
+def test_a_join_into_a_batch_kept_off_waits_for_the_solves_budget(monkeypatch):
+    """Requests joining a batch held at K = 0 are held with it until the solves since the
+    last one fit `recheck_budget` of the steps' time (solves of 1 ms at 10%: 10 ms, five
+    2 ms steps of two requests); no lease meanwhile, as the solve is due on the step the
+    budget allows. A batch of new requests only is solved for at once (and a speculating
+    one: `test_a_speculating_batch_is_re_solved_every_few_steps`)."""
+    import itertools
+    p = AdaptivePolicy(AdaptiveSettings(max_k=4, recheck_every=64, recheck_every_max=64,
+                                        probe_every=1000, recheck_budget=0.1))
+    p.clock = itertools.count(step=0.001).__next__  # every solve takes 1 ms
+    _calibrated(p, 0.0, 0.001)  # compute-bound: held at zero
+    assert _solved_at(monkeypatch, p, ["a"], 1, {"a": 0}) == [1]
+    solved = []
+    for step in range(1, 9):
+        p.observe_step(2, 0.002)
+        before = p._solves
+        assert p.choose(["a", "b"], [4, 4], 2) == {"a": 0, "b": 0}
+        if p._solves > before:
+            solved.append(step)
+        p.grant_lease(["a", "b"])
+        assert (p.lease is None) == (not solved)
+    assert solved == [5]
+    assert _solved_at(monkeypatch, p, ["c"], 1, {"c": 0}) == [1]  # none goes on
 
 
 def test_a_speculating_batch_is_re_solved_every_few_steps(monkeypatch):
