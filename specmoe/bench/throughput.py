@@ -31,7 +31,8 @@ from specmoe.bench.throughput_stats import (AA_MODE, aggregate, ratios, slowest_
                                             target_line)
 from specmoe.config import ArchConfig, ExpertParallelConfig
 from specmoe.engine.kv_cache_manager import blocks_for_requests
-from specmoe.bench.throughput_run import ARRIVALS, INTERLEAVE, SLICE_SECONDS, run_interleaved
+from specmoe.bench.throughput_run import (ARRIVALS, INTERLEAVE, SLICE_SECONDS, output_len_range,
+                                          run_interleaved)
 from specmoe.loader.aliases import DEFAULT_MODEL
 from specmoe.utils.data import DATASETS, load_prompts
 
@@ -66,7 +67,16 @@ class ThroughputBenchConfig:
             same names).
         concurrency: numbers of requests submitted at once, ascending; the first is the
             baseline of the scaling ratios (1 for the target line).
-        max_tokens: tokens generated per request (EOS ignored).
+        max_tokens: tokens generated per request (EOS ignored); with
+            `max_tokens_range_ratio` R, their mean.
+        max_tokens_range_ratio: R in [0, 1): each prompt's output length drawn uniformly
+            from the integers in [max_tokens (1 - R), max_tokens (1 + R)] (seeded by
+            `seed`: every mode and repetition gives a prompt the same length), as vLLM's
+            benchmark `--random-range-ratio`. With 0 every request has max_tokens, and
+            requests started together finish together: a mode whose requests drift apart
+            (speculation emits more tokens on some steps) pays for it in prompts prefilled
+            one at a time and a ragged end, which a real workload's spread of lengths
+            imposes on every mode.
         reps: repetitions of the whole sweep.
         interleave: "slice" (the modes' runs at one C alternate every `slice_seconds` of
             stepping: the fairest under a drifting machine), "wave" (they alternate wave
@@ -97,6 +107,7 @@ class ThroughputBenchConfig:
     draft_quantization: str | None = None
     concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
     max_tokens: int = 96
+    max_tokens_range_ratio: float = 0.0
     reps: int = 2
     datasets: list[str] = field(default_factory=lambda: ["spec_bench", "mt_bench"])
     num_requests: int = 16
@@ -130,6 +141,9 @@ class ThroughputBenchConfig:
                 raise ValueError(f"invalid {name}={getattr(self, name)}: must be >= 1")
         if self.interleave not in INTERLEAVE:
             raise ValueError(f"invalid interleave={self.interleave!r}: one of {INTERLEAVE}")
+        if not 0.0 <= self.max_tokens_range_ratio < 1.0:
+            raise ValueError(f"invalid max_tokens_range_ratio={self.max_tokens_range_ratio}:"
+                             " must be in [0, 1)")
         if not self.slice_seconds > 0:
             raise ValueError(f"invalid slice_seconds={self.slice_seconds}: must be > 0")
         if self.arrival not in ARRIVALS:
@@ -144,6 +158,11 @@ class ThroughputBenchConfig:
         ExpertParallelConfig(self.expert_parallel_size, self.expert_parallel_dispatch,
                              self.expert_placement, self.expert_parallel_timeout_s
                              )  # raises on a bad value, before loading
+
+    @property
+    def output_len_range(self) -> tuple[int, int]:
+        """The least and most tokens a request generates (`max_tokens_range_ratio`)."""
+        return output_len_range(self.max_tokens, self.max_tokens_range_ratio)
 
     @property
     def modes(self) -> list[str]:
@@ -193,6 +212,17 @@ def build_prompts(cfg: ThroughputBenchConfig, llm) -> list[dict]:
                 out.append({"dataset": p.dataset, "category": p.category,
                             "token_ids": _encode(llm, p)})
     return out[:pool]
+
+
+def assign_output_lengths(prompts: list[dict], cfg: ThroughputBenchConfig) -> None:
+    """Give each prompt its "max_tokens" (`max_tokens_range_ratio`); none where R is 0."""
+    import numpy as np
+    lo, hi = cfg.output_len_range
+    if lo == hi:
+        return
+    lengths = np.random.default_rng(cfg.seed).integers(lo, hi + 1, size=len(prompts))
+    for prompt, n in zip(prompts, lengths.tolist()):
+        prompt["max_tokens"] = n
 
 
 def fitting_prompts(prompts: list[dict], max_tokens: int,
@@ -299,7 +329,7 @@ def workload_kv_blocks(cfg: ThroughputBenchConfig, prompts: list[dict],
         return None
     longest = max(len(p["token_ids"]) for p in prompts)
     return blocks_for_requests(max(cfg.concurrency),
-                               longest + cfg.max_tokens + cfg.num_speculative_tokens,
+                               longest + cfg.output_len_range[1] + cfg.num_speculative_tokens,
                                block_size)
 
 
@@ -377,12 +407,13 @@ def _bench(cfg: ThroughputBenchConfig, engines: dict, env: dict, t0: float) -> d
     from specmoe.kernels import panel_prefetch
     from specmoe.utils.gc_heap import frozen_heap
     max_model_len = engines["plain"].max_model_len
-    prompts, skipped = fitting_prompts(build_prompts(cfg, engines["plain"]), cfg.max_tokens,
-                                       max_model_len)
+    prompts, skipped = fitting_prompts(build_prompts(cfg, engines["plain"]),
+                                       cfg.output_len_range[1], max_model_len)
     if not prompts:
         raise ValueError(f"all {len(skipped)} prompts are too long for max_model_len="
                          f"{max_model_len} with max_tokens={cfg.max_tokens}: lower "
                          "--max-tokens or choose shorter --datasets")
+    assign_output_lengths(prompts, cfg)
     add_speculative_engines(cfg, engines, workload_kv_blocks(
         cfg, prompts, engines["plain"].config.scheduler.block_size))
     load_s = time.perf_counter() - t0  # models (and the prompts' tokenization)
@@ -412,8 +443,8 @@ def _bench(cfg: ThroughputBenchConfig, engines: dict, env: dict, t0: float) -> d
 
 
 def _prompt_rows(prompts: list[dict]) -> list[dict]:
-    return [{k: p[k] for k in ("dataset", "category")} | {"num_tokens": len(p["token_ids"])}
-            for p in prompts]
+    return [{k: p[k] for k in ("dataset", "category", "max_tokens") if k in p}
+            | {"num_tokens": len(p["token_ids"])} for p in prompts]
 
 
 def num_failed_runs(results: dict) -> int:

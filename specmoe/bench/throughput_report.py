@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from specmoe.bench.throughput_run import output_len_range
+
 
 def write_report(results: dict, out_dir: Path) -> list[Path]:
     """results.json, report.md and throughput_vs_concurrency.png in out_dir."""
@@ -38,8 +40,8 @@ def markdown(results: dict) -> str:
         f" vs {spec} (K={cfg['num_speculative_tokens']}"
         + (f", paused from {pause} running requests" if pause else "") + ")")
     lines = [title, "",
-             f"{cfg['dtype']}{_weights(cfg, env)}, greedy, {cfg['max_tokens']} tokens per "
-             "request (EOS ignored), "
+             f"{cfg['dtype']}{_weights(cfg, env)}, greedy, {_output_lengths(cfg)} "
+             "tokens per request (EOS ignored), "
              f"prompts from {', '.join(cfg['datasets'])} (chat template; lengths "
              f"{_lengths(results['prompts'])} tokens); a run at C < {cfg['num_requests']} "
              f"processes the same {cfg['num_requests']} requests {_arrival(cfg)}, a run at a "
@@ -325,6 +327,13 @@ def _decode_only(row: dict) -> str:
         return ""
     scaling = row.get("decode_only_scaling")
     return f"{tps:.1f}" + (f" ({scaling:.2f}x)" if scaling is not None else "")
+
+
+def _output_lengths(cfg: dict) -> str:
+    """The output length, or its range (`max_tokens_range_ratio`)."""
+    lo, hi = output_len_range(cfg["max_tokens"], cfg.get("max_tokens_range_ratio", 0.0))
+    return (str(lo) if lo == hi else
+            f"{lo}-{hi} (uniform, a prompt's the same in every mode)")
 
 
 def _lengths(prompts: list[dict]) -> str:

@@ -21,6 +21,13 @@ ARRIVALS = ("waves", "closed")  # how a run at C < num_requests submits its requ
 SLICE_SECONDS = 0.5  # stepping per mode before the next mode's turn ("slice")
 
 
+def output_len_range(max_tokens: int, ratio: float) -> tuple[int, int]:
+    """The least and most tokens a request generates with output lengths spread by
+    `ratio` around `max_tokens` (`ThroughputBenchConfig.max_tokens_range_ratio`)."""
+    spread = round(max_tokens * ratio)
+    return max(1, max_tokens - spread), max_tokens + spread
+
+
 def waves_for(num_prompts: int, concurrency: int, num_requests: int,
               arrival: str = "waves") -> list[list[int]]:
     """Prompt indices of a run: max(num_requests, concurrency) requests (prompts cycled
@@ -33,9 +40,10 @@ def waves_for(num_prompts: int, concurrency: int, num_requests: int,
 
 
 class ClosedLoop:
-    """The requests of `indices` (greedy, `max_tokens` each, EOS ignored) on one engine, at
-    most `concurrency` in flight, each submitted as soon as a slot frees (all at once where
-    they fit), stepped for as long as `advance` is asked to. Between two calls the engine is
+    """The requests of `indices` (greedy, EOS ignored, `max_tokens` each or a prompt's own
+    "max_tokens", `throughput.assign_output_lengths`) on one engine, at most `concurrency`
+    in flight, each submitted as soon as a slot frees (all at once where they fit),
+    stepped for as long as `advance` is asked to. Between two calls the engine is
     left alone (another mode's engine may run): that pause counts neither in the loop's
     latencies nor in its requests' metrics (their arrival times move on by it), so a row per
     finished request (`rows`, its latency from its own submission) reads as if the loop had
@@ -45,7 +53,9 @@ class ClosedLoop:
                  concurrency: int) -> None:
         from specmoe.sampling_params import SamplingParams
         self.llm, self.prompts, self.concurrency = llm, prompts, concurrency
-        self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        self.params = {n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                       for n in {p.get("max_tokens", max_tokens) for p in prompts}}
+        self.max_tokens = max_tokens
         self.queue = list(indices)[::-1]
         self.inflight: dict[str, list] = {}  # request id -> [prompt index, submitted at, request]
         self.rows: list[dict] = []
@@ -89,7 +99,9 @@ class ClosedLoop:
 
     def _submit(self) -> None:
         i = self.queue.pop()
-        req = self.llm.make_request(self.prompts[i]["token_ids"], self.params)
+        prompt = self.prompts[i]
+        req = self.llm.make_request(prompt["token_ids"],
+                                    self.params[prompt.get("max_tokens", self.max_tokens)])
         self.llm.add_request(req)
         self.inflight[req.request_id] = [i, time.perf_counter(), req]
 

@@ -183,6 +183,10 @@ def add_bench_throughput_parser(bench) -> None:
                     help="how the modes alternate at each C: by turns of --slice-seconds "
                          "of stepping (default; the machine's drift hits every mode alike), "
                          "wave by wave, or whole runs")
+    tp.add_argument("--max-tokens-range-ratio", type=float, default=d.max_tokens_range_ratio,
+                    help="R in [0, 1): each prompt's output length uniform in --max-tokens "
+                         "x [1 - R, 1 + R] (as vLLM's --random-range-ratio; default: "
+                         "%(default)s, every request --max-tokens)")
     tp.add_argument("--slice-seconds", type=float, default=d.slice_seconds,
                     help="a mode's turn with --interleave slice (default: %(default)s)")
     tp.add_argument("--arrival", choices=["waves", "closed"], default=d.arrival,
@@ -333,7 +337,8 @@ def cmd_bench_throughput(args) -> int:
         dtype=args.dtype, quantization=args.quantization,
         draft_quantization=args.draft_quantization,
         concurrency=args.concurrency,
-        max_tokens=args.max_tokens, reps=args.reps,
+        max_tokens=args.max_tokens, max_tokens_range_ratio=args.max_tokens_range_ratio,
+        reps=args.reps,
         datasets=args.datasets, num_requests=args.num_requests,
         max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
         num_threads=args.threads, policies=args.speculative_policy,
