@@ -103,8 +103,9 @@ second (the choice in `spec_decode.choice`, the time models in `spec_decode.time
   joins a batch held off (some of whose requests go on) waits at K = 0 for its solve
   until the solves fit `recheck_budget` of the time since the last (a solve of 64
   requests costs ~4 ms, half a tiny-moe step there). The step-time model is refitted
-  only when a solve needs it, and only once an eighth of its window is new. A batch held off costs a dictionary per step: on tiny-moe, whose steps take under
-  a millisecond, the held path's lists and the rechecks cost 3-5% of a step.
+  only when a solve needs it, and only once an eighth of its window is new. A batch held
+  off costs a dictionary per step: on tiny-moe, whose steps take under a millisecond, the
+  held path's lists and the rechecks cost 3-5% of a step.
 - Prompt lookup fills a slot only where the context has a match: the chance that each
   allowed slot is filled is tracked like acceptance (per request, shrunk towards the
   engine's), and a slot adds that many expected tokens and rows: deep K costs little
@@ -155,7 +156,7 @@ class _Held:
         self.expected = expected  # a speculating step's predicted (tokens, seconds)
         self.admitted = False  # requests joined at K = 0 without a solve (`_admits`)
 
-    def joined(self, batch: list[str]) -> list[str]:
+    def joined(self, batch: list[str]) -> list[str] | None:
         """The requests of `batch` this hold has no K for (an empty list while the hold is
         still good, and none joined); None once it expired."""
         if self.steps >= self.every:
