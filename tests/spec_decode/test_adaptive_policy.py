@@ -322,8 +322,9 @@ def test_idle_leases_choose_what_choose_would_on_every_step():
     """Leased steps skip `choose` and `observe_step`, yet probes, re-solves and rechecks
     come on the same steps as without leases (the counts handed over when a lease ends),
     across a request joining (held at K = 0 until the solves' budget allows its solve)
-    and leaving, with probes due by their count of steps or waiting on their time budget (20 ms of drafting at a budget of a half: 20 ms more,
-    20 steps of one request, 10 of two)."""
+    and leaving, with probes due by their count of steps or waiting on their time budget
+    (20 ms of drafting at a budget of a half: 20 ms more, 20 steps of one request, 10 of
+    two)."""
     batches = [["a"]] * 60 + [["a", "b"]] * 90 + [["b"]] * 60
     runs = []
     for lease in (False, True):
@@ -387,10 +388,9 @@ def test_a_batch_kept_off_is_rechecked_ever_less_often(monkeypatch):
 def test_a_join_into_a_batch_kept_off_waits_for_the_solves_budget(monkeypatch):
     """Requests joining a batch held at K = 0 are held with it until the solves since the
     last one fit `recheck_budget` of the steps' time (solves of 1 ms at 10%: 10 ms, five
-    2 ms steps of two requests); no lease meanwhile, as the solve is due on the step the
+    2.1 ms steps of two requests); no lease meanwhile, as the solve is due on the step the
     budget allows. A batch of new requests only is solved for at once (and a speculating
     one: `test_a_speculating_batch_is_re_solved_every_few_steps`)."""
-    import itertools
     p = AdaptivePolicy(AdaptiveSettings(max_k=4, recheck_every=64, recheck_every_max=64,
                                         probe_every=1000, recheck_budget=0.1))
     p.clock = itertools.count(step=0.001).__next__  # every solve takes 1 ms
@@ -398,7 +398,7 @@ def test_a_join_into_a_batch_kept_off_waits_for_the_solves_budget(monkeypatch):
     assert _solved_at(monkeypatch, p, ["a"], 1, {"a": 0}) == [1]
     solved = []
     for step in range(1, 9):
-        p.observe_step(2, 0.002)
+        p.observe_step(2, 0.0021)
         before = p._solves
         assert p.choose(["a", "b"], [4, 4], 2) == {"a": 0, "b": 0}
         if p._solves > before:
