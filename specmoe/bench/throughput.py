@@ -407,11 +407,13 @@ def _bench(cfg: ThroughputBenchConfig, engines: dict, env: dict, t0: float) -> d
     from specmoe.kernels import panel_prefetch
     from specmoe.utils.gc_heap import frozen_heap
     max_model_len = engines["plain"].max_model_len
-    prompts, skipped = fitting_prompts(build_prompts(cfg, engines["plain"]),
-                                       cfg.output_len_range[1], max_model_len)
+    longest = cfg.output_len_range[1]
+    prompts, skipped = fitting_prompts(build_prompts(cfg, engines["plain"]), longest,
+                                       max_model_len)
     if not prompts:
+        spread = "" if longest == cfg.max_tokens else f" (up to {longest} with the range ratio)"
         raise ValueError(f"all {len(skipped)} prompts are too long for max_model_len="
-                         f"{max_model_len} with max_tokens={cfg.max_tokens}: lower "
+                         f"{max_model_len} with max_tokens={cfg.max_tokens}{spread}: lower "
                          "--max-tokens or choose shorter --datasets")
     assign_output_lengths(prompts, cfg)
     add_speculative_engines(cfg, engines, workload_kv_blocks(

@@ -103,7 +103,7 @@ def caveats(results: dict) -> list[str]:
     env, out = results["environment"], []
     if skipped := results.get("skipped_prompts"):
         out.append(f"{len(skipped)} of {len(skipped) + len(results['prompts'])} prompts "
-                   f"skipped: with {results['config']['max_tokens']} output tokens they "
+                   f"skipped: with {_output_range(results['config'])[1]} output tokens they "
                    f"exceed the context of {results['max_model_len']} tokens (lengths "
                    f"{_lengths(skipped)}); the runs use the {len(results['prompts'])} others")
     busy = env["load_average_start"] + env["torch_num_threads"]
@@ -329,9 +329,15 @@ def _decode_only(row: dict) -> str:
     return f"{tps:.1f}" + (f" ({scaling:.2f}x)" if scaling is not None else "")
 
 
+def _output_range(cfg: dict) -> tuple[int, int]:
+    """The least and most tokens a request generated (results before the range ratio have
+    none: every request max_tokens)."""
+    return output_len_range(cfg["max_tokens"], cfg.get("max_tokens_range_ratio", 0.0))
+
+
 def _output_lengths(cfg: dict) -> str:
     """The output length, or its range (`max_tokens_range_ratio`)."""
-    lo, hi = output_len_range(cfg["max_tokens"], cfg.get("max_tokens_range_ratio", 0.0))
+    lo, hi = _output_range(cfg)
     return (str(lo) if lo == hi else
             f"{lo}-{hi} (uniform, a prompt's the same in every mode)")
 
