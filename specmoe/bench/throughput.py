@@ -335,9 +335,9 @@ def workload_kv_blocks(cfg: ThroughputBenchConfig, prompts: list[dict],
 
 def run_sweep(cfg: ThroughputBenchConfig, engines: dict, prompts: list[dict]) -> list[dict]:
     """Every repetition x concurrency, all modes interleaved (`cfg.interleave`: slice by
-    slice or wave by wave, `run_interleaved` over all modes, or run by run, plain then the
-    others; their order reversed on odd repetitions), with a progress bar in output
-    tokens. A run that raises is kept with its "error" and the sweep goes on."""
+    slice or wave by wave, `run_interleaved` over all modes, repetition r starting at row r
+    of its balanced orders; or run by run, plain then the others), with a progress bar in
+    output tokens. A run that raises is kept with its "error" and the sweep goes on."""
     from rich.progress import Progress
     runs = []
     total = cfg.reps * len(cfg.modes) * cfg.max_tokens * sum(
@@ -355,7 +355,7 @@ def run_sweep(cfg: ThroughputBenchConfig, engines: dict, prompts: list[dict]) ->
                     progress.update(task, description=f"rep {rep + 1} C={c} {', '.join(modes)}")
                     done = run_interleaved(engines, modes, prompts, c, cfg.max_tokens,
                                            cfg.num_requests, advance, cfg.arrival,
-                                           reverse=rep % 2 == 1, slice_seconds=slice_s)
+                                           start=rep, slice_seconds=slice_s)
                     runs += [{"mode": m, "rep": rep} | done[m] for m in modes]
     return runs
 
@@ -435,7 +435,8 @@ def _bench(cfg: ThroughputBenchConfig, engines: dict, env: dict, t0: float) -> d
     env["load_average_end"] = os.getloadavg()[0]
     env["matmul_counts"] = add_floors(runs, target.arch, env["peak_flops"])
     rows = aggregate(runs)
-    return {"config": dataclasses.asdict(cfg), "environment": env, "load_seconds": load_s,
+    return {"config": dataclasses.asdict(cfg) | {"mode_order": "balanced"},
+            "environment": env, "load_seconds": load_s,
             "max_model_len": max_model_len, "prompts": _prompt_rows(prompts),
             "skipped_prompts": _prompt_rows(skipped),
             "rows": rows, "ratios": ratios(runs),

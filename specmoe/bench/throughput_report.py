@@ -426,6 +426,15 @@ def _arrival(cfg: dict) -> str:
     return "in waves of C"
 
 
+def _order(cfg: dict, each: str = "turn") -> str:
+    """How the modes' order changed from turn to turn (results saved before the balanced
+    orders reversed it every other turn)."""
+    if cfg.get("mode_order") == "balanced":
+        return (f"in a balanced order each {each}: every mode after every other one equally "
+                "often")
+    return f"their order reversed every other {each}"
+
+
 def _interleave(cfg: dict) -> str:
     """How the report's modes alternated (configs saved before `interleave` ran whole runs)."""
     if cfg["draft"] == "none":
@@ -433,10 +442,9 @@ def _interleave(cfg: dict) -> str:
     interleave = cfg.get("interleave", "run")
     if interleave == "slice":
         return (f"(at each C the modes' runs take turns of {cfg['slice_seconds']} s of "
-                "stepping, their order reversed every other turn)")
+                f"stepping, {_order(cfg)})")
     if interleave == "wave":
         if cfg.get("arrival", "waves") == "closed":
-            return ("(at each C the modes' runs alternate, their order reversed every other "
-                    "repetition)")
+            return f"(at each C the modes' runs alternate, {_order(cfg, 'repetition')})"
         return "(at each C the modes alternate wave by wave)"
     return "(plain then speculative at each C)"

@@ -248,16 +248,35 @@ def run_once(llm, prompts: list[dict], concurrency: int, max_tokens: int,
     return rec.finish()
 
 
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of n modes (indices) in which every mode follows every other one equally often
+    and takes every position equally often: the rows of a Williams design (Williams 1949,
+    "Experimental designs balanced for the estimation of residual effects of treatments"),
+    n rows for an even n, 2n (the rows and their mirrors) for an odd one. Two modes give
+    [0, 1], [1, 0]. Why: a turn leaves the caches, the allocator's free lists and the
+    clock to the next mode; with the order only reversed every other turn, a mode in the
+    middle always followed the same two neighbours, and the last one the dearest modes."""
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    rows = [[(j + r) % n for j in first] for r in range(n)]
+    return rows + [row[::-1] for row in rows] if n % 2 else rows
+
+
 def run_interleaved(engines: dict, modes: list[str], prompts: list[dict], concurrency: int,
                     max_tokens: int, num_requests: int, on_progress=None,
-                    arrival: str = "waves", reverse: bool = False,
+                    arrival: str = "waves", start: int = 0,
                     slice_seconds: float | None = None) -> dict[str, dict]:
     """One run per mode at `concurrency`, alternating: with `slice_seconds`, each mode steps
     its run for that long in turn (a closed loop's one wave included), else the modes take
-    turns wave by wave; the modes' order is reversed on every other turn (`reverse`:
-    starting reversed), so no mode always follows the same one. `on_progress(mode, n)` is
-    called after each turn with the requests it finished. A mode that raises is dropped
-    from the remaining turns and returned as {"error": ...}; the others go on."""
+    turns wave by wave; turn i takes the modes in the order `balanced_orders` gives at
+    row `start` + i, so every mode follows every other one equally often. `on_progress(mode,
+    n)` is called after each turn with the requests it finished. A mode that raises is
+    dropped from the remaining turns and returned as {"error": ...}; the others go on."""
     recs = {m: RunRecorder(engines[m], concurrency) for m in modes}
     errors: dict[str, dict] = {}
     waves = waves_for(len(prompts), concurrency, num_requests, arrival)
@@ -272,9 +291,10 @@ def run_interleaved(engines: dict, modes: list[str], prompts: list[dict], concur
         if on_progress is not None:
             on_progress(mode, finished)
 
+    rows = balanced_orders(len(modes))
+
     def order(i: int) -> list[str]:
-        return [m for m in (modes if (i % 2 == 0) != reverse else modes[::-1])
-                if m not in errors]
+        return [modes[j] for j in rows[(start + i) % len(rows)] if modes[j] not in errors]
     try:
         if slice_seconds is None:
             for i, wave in enumerate(waves):

@@ -79,11 +79,14 @@ second (the choice in `spec_decode.choice`, the time models in `spec_decode.time
   run at one request. Then the requests probed least often go first while their drafts fit
   `probe_drafts` slots (at least one request): probing all sixteen requests of SmolLM2 at
   K = 8 added 128 rows to a step, and the one or two probes of a 48-token run cost 6%.
-  And a probe waits until its drafting is at most `probe_budget` (1%) of the time since
-  the last one, timed on that one (its draft's catch-up included), bounding what probes
-  cost as Cascade's utility test bounds a slowdown (arXiv 2506.20675): on a carved
-  Qwen2.5-Coder MoE with the 0.5B draft, probes of 32-token requests at one request cost
-  12% of the run.
+  And a probe waits until its cost is at most `probe_budget` (1%) of the time since the
+  last one, timed on that one: its drafting (the draft's catch-up included) and what its
+  verification step took beyond the step without its drafts taking as long for the tokens
+  they added (`_probe_excess`), bounding what probes cost as Cascade's utility test bounds
+  a slowdown (arXiv 2506.20675): on a carved Qwen2.5-Coder MoE with the 0.5B draft,
+  probes of 32-token requests at one request cost 12% of the run; on tiny-moe at 16
+  requests, with the drafting alone counted, probes at K = 8 cost 2.5%, their
+  verification three times their drafting.
 - Shadow drafts (`shadow_every`, `spec_decode.shadow`; prompt lookup only): a request held
   at K = 0 is still proposed for every `shadow_every` tokens, and the proposal, never
   verified, is scored against the tokens the request then emits (a one-hot draft is
@@ -204,7 +207,7 @@ class AdaptiveSettings:
     catch_up_horizon: int = 16  # steps a resuming request's catch-up is spread over
     probe_catch_up_rows: int = 128  # catch-up tokens one probe may run through the draft
     probe_drafts: int = 16  # draft slots one probe may add to the target's step
-    probe_budget: float = 0.01  # the share of the time probes' drafting may take
+    probe_budget: float = 0.01  # the share of the time probes may take
     num_experts: int = 0  # a MoE target's routed experts N and top-k (0: dense)
     top_k: int = 0
     overlap_prior: float = 0.4  # adjacent-token overlap until one is measured
@@ -347,7 +350,7 @@ class AdaptivePolicy:
         self.probe_interval = settings.probe_every  # grows while probes find nothing
         self._probed = False  # the previous step probed
         self._probe_counts: dict[str, int] = {}  # probes each running request was in
-        self._probe_cost_s = 0.0  # the last probe's drafting seconds
+        self._probe_cost_s = 0.0  # the last probe's drafting and verification seconds
         self._elapsed_s = 0.0  # seconds of forwards and drafting since the last probe
         # (overlap, log-miss of windows of 1..max_k + 1 tokens as an array and a list)
         self._miss_cache: tuple[float, np.ndarray, list[float]] | None = None
@@ -428,6 +431,8 @@ class AdaptivePolicy:
         only known once scheduled. While the batch is held at K = 0 one step in
         `idle_observe_every` is recorded: those steps repeat one another's rows, and
         recording each cost tiny-moe ~2% of its step."""
+        if self._probed and self._step_drafted:  # the probe's drafts were verified here
+            self._probe_cost_s += self._probe_excess(rows, seconds)
         if self._held is not None and self._held.idle:
             self._idle_steps += 1
             if self._idle_steps % self.s.idle_observe_every:
@@ -441,6 +446,17 @@ class AdaptivePolicy:
             self.realized.observe_on(expect[0], expect[0] + self._step_accepted,
                                      seconds + self._draft_call_s, *expect[1])
         return self._timed(rows, seconds, windows)
+
+    def _probe_excess(self, rows: int, seconds: float) -> float:
+        """Seconds a probe's verification step of `rows` rows took beyond the step without
+        its drafts (predicted, each request's window one token) taking as long for the tokens
+        the accepted drafts added: on tiny-moe at 16 requests a probe at K = 8 ran 16 ms
+        against 2.5 ms steps, three times its 5 ms drafting, for 6% more tokens."""
+        base = rows - self._step_drafted
+        plain = self.step_time.predict_one(base, self.unique_fraction([1] * base))
+        if plain is None or base <= 0:
+            return 0.0
+        return max(0.0, seconds - plain * (1.0 + self._step_accepted / base))
 
     def _timed(self, rows: int, seconds: float, windows: list[int]) -> float | None:
         """Add a step's timing to the time model, and to the realized sums where it
@@ -493,7 +509,7 @@ class AdaptivePolicy:
         self._spend(seconds)
         self._draft_call_s = seconds
         if self._probed:
-            self._probe_cost_s = seconds
+            self._probe_cost_s += seconds
         if forward_rows:
             self.draft_time.observe(forward_rows, seconds)
 
@@ -737,7 +753,7 @@ class AdaptivePolicy:
     def _probe(self, request_ids: list[str], ks: list[int], caps: list[int],
                pending: Pending = None) -> list[int]:
         """Every `probe_interval` steps with a request held at K = 0, once the time since
-        the last probe is 1 / `probe_budget` times that probe's drafting, they draft their
+        the last probe is 1 / `probe_budget` times that probe's cost, they draft their
         cap (at most K_max): those of least catch-up within `probe_catch_up_rows` where
         `pending` gives the catch-ups (none where each exceeds it), then those probed
         least often while their drafts fit `probe_drafts` (at least one)."""
@@ -757,7 +773,7 @@ class AdaptivePolicy:
             idle = within_budget(idle, pending, pending, self.s.probe_catch_up_rows)
             if not any(idle):  # every catch-up over budget: no probe, and no back-off
                 return ks
-        self._elapsed_s = 0.0
+        self._elapsed_s = self._probe_cost_s = 0.0
         drafts = [min(c, self.s.max_k) for c in caps]
         counts = [self._probe_counts.get(r, 0) for r in request_ids]
         idle = within_budget(idle, counts, drafts, self.s.probe_drafts, at_least_one=True)
@@ -770,7 +786,7 @@ class AdaptivePolicy:
     def _probe_due(self, leased_steps: int = 0, leased_s: float = 0.0) -> bool:
         """This step's held requests probe (module docstring): `probe_interval` steps
         with one held, and the time since the last probe 1 / `probe_budget` times its
-        drafting (counting a running lease's steps and seconds, not yet handed over)."""
+        cost (counting a running lease's steps and seconds, not yet handed over)."""
         return (self._since_probe + leased_steps + 1 >= self.probe_interval
                 and (self._elapsed_s + leased_s) * self.s.probe_budget
                 >= self._probe_cost_s)

@@ -7,6 +7,7 @@ cache block given back after an interrupt; a closed-loop run keeps C requests in
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import pytest
 
@@ -128,6 +129,30 @@ def test_an_interrupt_gives_every_block_back(engines, prompts):
     assert not any(llm.engine.scheduler.running for llm in engines.values())
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 9])
+def test_balanced_orders_put_every_mode_after_every_other_equally_often(n):
+    rows = throughput_run.balanced_orders(n)
+    assert len(rows) == (2 * n if n % 2 else n)
+    assert all(sorted(row) == list(range(n)) for row in rows)
+    for position in range(n):  # every mode in every position equally often
+        assert sorted(row[position] for row in rows) == sorted(list(range(n)) * (len(rows) // n))
+    pairs = Counter((row[j], row[j + 1]) for row in rows for j in range(n - 1))
+    assert set(pairs) == {(a, b) for a in range(n) for b in range(n) if a != b}
+    assert len(set(pairs.values())) <= 1  # each ordered pair as often as any other
+
+
+def test_four_modes_take_turns_in_balanced_orders(engines, prompts, monkeypatch):
+    """Wave by wave, four modes: turn i takes them in balanced order row `start` + i."""
+    four = engines | {"plain2": engines["plain"].with_speculative(None),
+                      "spec2": engines["spec"].with_speculative(
+                          {"method": "ngram", "num_speculative_tokens": 2})}
+    log = _logged_waves(monkeypatch, four)
+    modes = list(four)
+    run_interleaved(four, modes, prompts, 1, 3, 2, start=1)
+    rows = throughput_run.balanced_orders(4)
+    assert [m for m, _ in log] == [modes[j] for j in rows[1] + rows[2]]
+
+
 def test_interleave_options():
     with pytest.raises(ValueError, match="interleave='mode'"):
         throughput.ThroughputBenchConfig(interleave="mode")
@@ -145,7 +170,7 @@ def test_interleave_options():
 def test_a_closed_loop_keeps_c_requests_in_flight(engines, prompts, monkeypatch):
     """arrival="closed": one wave of every request per mode, at most C running, the next
     submitted as soon as one finishes (different lengths: they finish apart), the modes'
-    order reversed on odd repetitions, the KV cache whole afterwards."""
+    order starting at the second balanced order, the KV cache whole afterwards."""
     log = _logged_waves(monkeypatch, engines)
     llm = engines["plain"]
     sched = llm.engine.scheduler
@@ -158,7 +183,7 @@ def test_a_closed_loop_keeps_c_requests_in_flight(engines, prompts, monkeypatch)
     monkeypatch.setattr(sched, "schedule", schedule)
     free = llm.engine.scheduler.kv_cache.block_pool.num_free_blocks
     runs = run_interleaved(engines, ["plain", "spec"], prompts * 2, 2, 5, 5,
-                           arrival="closed", reverse=True)
+                           arrival="closed", start=1)
     assert log == [("spec", [0, 1, 2, 3, 4]), ("plain", [0, 1, 2, 3, 4])]
     assert max(running) == 2 and running.count(2) > len(running) // 2
     run = runs["plain"]

@@ -182,6 +182,10 @@ def test_markdown_and_files(runs, tmp_path):
     assert "float32, greedy" in md  # no quantised weights named
     assert ("C at a time (each submitted as one finishes)" in md
             and "(at each C the modes' runs take turns of 0.5 s of stepping" in md)
+    results["config"]["mode_order"] = "balanced"
+    assert ("stepping, in a balanced order each turn: every mode after every other one "
+            "equally often)") in markdown(results)
+    del results["config"]["mode_order"]  # results saved before the balanced orders
     results["config"]["interleave"] = "wave"
     assert "(at each C the modes' runs alternate, their order reversed" in markdown(results)
     results["config"]["arrival"] = "waves"

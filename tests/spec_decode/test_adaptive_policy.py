@@ -498,6 +498,31 @@ def test_probes_wait_until_their_drafting_fits_the_budget():
     assert probes == [1, 3, 5, 7]  # n-gram: no drafting time, the interval alone
 
 
+def test_a_probes_verification_counts_towards_its_cost():
+    """Drafting free (n-gram), 1 ms a row, 1 ms steps, a 10% budget: a probe of 4 drafts
+    with 1 accepted runs 5 rows in 9 ms where the step without them, taking as long for
+    the extra token, would take 2 ms: 7 ms of cost, so the next probe waits until 70 ms
+    have passed since it began (the 9 ms step and 61 of 1 ms); a verification no dearer than
+    the plain step for its tokens (2 ms) leaves the probes to their interval."""
+    def probes(probe_s: float) -> list[int]:
+        p = AdaptivePolicy(AdaptiveSettings(max_k=4, probe_every=2, probe_every_max=2,
+                                            probe_budget=0.1))
+        _calibrated(p, 0.0, 0.001)
+        steps, drafted = [], 0
+        for i in range(140):
+            if drafted:
+                p.observe_verified("a", drafted, 1)
+            p.observe_step(1 + drafted, probe_s if drafted else 0.001)
+            drafted = p.choose(["a"], [4], 1)["a"]
+            if drafted:
+                steps.append(i)
+                p.observe_draft(drafted, 0.0)
+        return steps
+    dear = probes(0.009)
+    assert {b - a for a, b in zip(dear, dear[1:])} == {62}
+    assert probes(0.002)[:5] == [1, 3, 5, 7, 9]
+
+
 # ---- MoE targets: the step time follows the experts the windows touch ----
 
 from specmoe.spec_decode.routing_overlap import (miss_log, segment_overlap,  # noqa: E402

@@ -121,3 +121,54 @@ def test_a_calls_fixed_cost_is_paid_once_where_any_request_drafts():
                                                  draft_call_s=0.002)) and cheap < rate
     off, plain = choose_ks(gains, np.full(2, 4), step, 0.001, draft_call_s=0.012)
     assert not off.any() and plain == pytest.approx(2 / 0.010)
+
+
+def _random_choice_inputs(rng: np.random.Generator) -> dict:
+    """A batch as `AdaptivePolicy._solve` prices it: non-increasing gains, caps, a step
+    time non-decreasing in rows and experts (hinged, as `StepTimeModel`'s non-negative
+    fit), a MoE target's log-misses or none, catch-up starts (some zero) or draft
+    forwards' catch-up rows."""
+    from specmoe.spec_decode.routing_overlap import miss_log
+    b, max_k = int(rng.integers(1, 17)), int(rng.integers(1, 9))
+    gains = np.cumprod(rng.uniform(0.05, 0.98, (b, max_k)), axis=1)
+    base, c = float(rng.integers(b, 3 * b + 1)), rng.uniform(0, 1, 4) * [2e-3, 3e-4, 1e-3, 4e-3]
+    knot = float(rng.integers(1, 64))
+
+    def step(drafts, misses, var=None):
+        rows = base + np.asarray(drafts, dtype=float)
+        return (c[0] + c[1] * rows + c[2] * np.maximum(rows - knot, 0.0)
+                + c[3] * (1.0 - np.exp(misses)))
+    moe = rng.random() < 0.5
+    kw = {"miss_step": miss_log(np.arange(1, max_k + 2), 64, 8, float(rng.uniform(0, 0.9)))
+          if moe else None, "min_gain": float(rng.choice([0.0, 0.05]))}
+    if rng.random() < 0.5:
+        kw["starts"] = rng.uniform(0, 4e-3, b) * (rng.random(b) < 0.7)
+        kw["draft_call_s"] = float(rng.uniform(0, 1e-3))
+    else:
+        kw["draft_rows"] = (1.0 + rng.integers(0, 300, b) * (rng.random(b) < 0.7),
+                            lambda rows: 2e-4 + 1e-6 * rows)
+        kw["starts"] = np.zeros(b)
+        kw["starts"][rng.random(b) < 0.5] = 1e-4
+    return {"gains": gains, "caps": rng.integers(0, max_k + 1, b), "step_s": step,
+            "draft_s": float(rng.uniform(1e-5, 2e-3))} | kw
+
+
+def test_the_relaxed_bound_skips_only_searches_that_would_keep_the_batch_off(monkeypatch):
+    """Over random batches, `choose_ks` with its relaxed bound (catch-ups free, drafts
+    adding no experts) gives what the searches alone give, and the bound does end some
+    solves early and lets others search."""
+    from specmoe.spec_decode import choice
+    real, outcomes = choice._relaxed_may_pay, []
+
+    def counted(*args):
+        outcomes.append(real(*args))
+        return outcomes[-1]
+    rng = np.random.default_rng(7)
+    for _ in range(400):
+        inputs = _random_choice_inputs(rng)
+        monkeypatch.setattr(choice, "_relaxed_may_pay", counted)
+        ks, rate = choice.choose_ks(**inputs)
+        monkeypatch.setattr(choice, "_relaxed_may_pay", lambda *args: True)
+        searched_ks, searched_rate = choice.choose_ks(**inputs)
+        assert ks.tolist() == searched_ks.tolist() and rate == pytest.approx(searched_rate)
+    assert outcomes.count(False) >= 20 and outcomes.count(True) >= 20
