@@ -181,7 +181,7 @@ def test_markdown_and_files(runs, tmp_path):
     assert markdown(reloaded) == md  # the report can be rebuilt from the JSON file
     assert "float32, greedy" in md  # no quantised weights named
     assert ("C at a time (each submitted as one finishes)" in md
-            and "(at each C the modes' runs take turns of 0.5 s of stepping" in md)
+            and "(at each C the modes' runs take turns of 0.1 s of stepping" in md)
     results["config"]["mode_order"] = "balanced"
     assert ("stepping, in a balanced order each turn: every mode after every other one "
             "equally often)") in markdown(results)
