@@ -82,8 +82,8 @@ def choose_ks(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float,
                     min(max_k, int(caps.max(initial=0))), plain_rate * (1 + min_gain)):
         return best
     masks = _dearest_starts(starts, b)
-    if len(masks) > 1 and (starts >= 0).all() and not _relaxed_may_pay(gains, caps, step_s, draft_s, miss,
-                                                draft_rows, fills, draft_call_s,
+    if len(masks) > 1 and not _relaxed_may_pay(gains, caps, step_s, draft_s, miss, draft_rows,
+                                                fills, starts, draft_call_s,
                                                 plain_rate * (1 + min_gain)):
         return best
     for left_out in masks:
@@ -177,21 +177,24 @@ def _may_pay(gains: np.ndarray, caps: np.ndarray, plain_s: float, draft_s: float
 
 def _relaxed_may_pay(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float,
                      miss: np.ndarray, draft_rows, fills: np.ndarray | None,
-                     draft_call_s: float, plain_rate: float) -> bool:
-    """Whether any choice could beat `plain_rate` with every request's draft catch-up free
-    and its drafts touching no expert the batch's windows did not: one search instead of
-    `choose_ks`' one per set of dearest starts left out (log2 B + 2), which at 16
-    requests on tiny-moe took 2 ms, most of a step, on every solve that kept the batch off.
-    A bound: the step time is non-decreasing in rows and in the experts' share (the fit's
-    weights are non-negative), and the draft's in its rows; with every slot filled
-    (`fills` None or all 1), each prefix of the candidates by value has the most expected
-    tokens of any choice of as many drafts at its depth, so no choice beats the best
-    prefix. Otherwise True (no bound)."""
-    if fills is not None and not (fills == 1.0).all():
+                     starts: np.ndarray, draft_call_s: float, plain_rate: float) -> bool:
+    """Whether any choice could beat `plain_rate` with every request's start (its draft
+    catch-up) free and its drafts touching no expert the batch's windows did not: one
+    search instead of `choose_ks`' one per set of dearest starts left out (log2 B + 2),
+    which at 16 requests on tiny-moe took 2 ms, most of a step, on every solve that kept
+    the batch off. A bound: the step time is non-decreasing in rows and in the experts'
+    share (the fit's weights are non-negative), the starts are non-negative, and the
+    drafting costs the same for any choice at one depth (`draft_s` per depth); with every
+    slot filled, each prefix of the candidates by value then has the most expected tokens
+    of any choice of as many drafts at its depth, so no choice beats the best prefix.
+    True (no bound) where slots may go unfilled (`fills` below 1) or the draft is priced
+    by its forwards' rows (`draft_rows`: its hinged time makes a choice's drafting depend
+    on how its drafts spread over the forwards)."""
+    if (draft_rows is not None or (starts < 0).any()
+            or (fills is not None and not (fills == 1.0).all())):
         return True
-    rows = None if draft_rows is None else (np.ones_like(draft_rows[0]), draft_rows[1])
     flat = np.full_like(miss, miss[0])  # the drafts add no log-miss: the base windows'
-    _, rate = _search(gains, caps, step_s, draft_s, flat, rows, None, None, draft_call_s)
+    _, rate = _search(gains, caps, step_s, draft_s, flat, None, None, None, draft_call_s)
     return rate > plain_rate
 
 
