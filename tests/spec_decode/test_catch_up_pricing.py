@@ -126,8 +126,7 @@ def test_a_calls_fixed_cost_is_paid_once_where_any_request_drafts():
 def _random_choice_inputs(rng: np.random.Generator) -> dict:
     """A batch as `AdaptivePolicy._solve` prices it: non-increasing gains, caps, a step
     time non-decreasing in rows and experts (hinged, as `StepTimeModel`'s non-negative
-    fit), a MoE target's log-misses or none, catch-up starts (some zero) or draft
-    forwards' catch-up rows."""
+    fit), a MoE target's log-misses or none, catch-up starts (some zero)."""
     from specmoe.spec_decode.routing_overlap import miss_log
     b, max_k = int(rng.integers(1, 17)), int(rng.integers(1, 9))
     gains = np.cumprod(rng.uniform(0.05, 0.98, (b, max_k)), axis=1)
@@ -141,14 +140,8 @@ def _random_choice_inputs(rng: np.random.Generator) -> dict:
     moe = rng.random() < 0.5
     kw = {"miss_step": miss_log(np.arange(1, max_k + 2), 64, 8, float(rng.uniform(0, 0.9)))
           if moe else None, "min_gain": float(rng.choice([0.0, 0.05]))}
-    if rng.random() < 0.5:
-        kw["starts"] = rng.uniform(0, 4e-3, b) * (rng.random(b) < 0.7)
-        kw["draft_call_s"] = float(rng.uniform(0, 1e-3))
-    else:
-        kw["draft_rows"] = (1.0 + rng.integers(0, 300, b) * (rng.random(b) < 0.7),
-                            lambda rows: 2e-4 + 1e-6 * rows)
-        kw["starts"] = np.zeros(b)
-        kw["starts"][rng.random(b) < 0.5] = 1e-4
+    kw["starts"] = rng.uniform(0, 4e-3, b) * (rng.random(b) < 0.7)
+    kw["draft_call_s"] = float(rng.uniform(0, 1e-3))
     return {"gains": gains, "caps": rng.integers(0, max_k + 1, b), "step_s": step,
             "draft_s": float(rng.uniform(1e-5, 2e-3))} | kw
 
