@@ -453,8 +453,10 @@ class AdaptivePolicy:
         the accepted drafts added: on tiny-moe at 16 requests a probe at K = 8 ran 16 ms
         against 2.5 ms steps, three times its 5 ms drafting, for 6% more tokens."""
         base = rows - self._step_drafted
+        if base <= 0:  # before predicting: a MoE target's expert share needs a window
+            return 0.0
         plain = self.step_time.predict_one(base, self.unique_fraction([1] * base))
-        if plain is None or base <= 0:
+        if plain is None:
             return 0.0
         return max(0.0, seconds - plain * (1.0 + self._step_accepted / base))
 

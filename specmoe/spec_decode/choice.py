@@ -78,18 +78,18 @@ def choose_ks(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float,
     base_miss = b * miss[0]
     plain_rate = b / float(step_s(np.zeros(1), np.full(1, base_miss), None)[0])
     best = np.zeros(b, dtype=np.int64), float(plain_rate)
+    bar = plain_rate * (1 + min_gain)  # the rate a choice must beat
     if not _may_pay(gains, caps, b / plain_rate + draft_call_s, draft_s,
-                    min(max_k, int(caps.max(initial=0))), plain_rate * (1 + min_gain)):
+                    min(max_k, int(caps.max(initial=0))), bar):
         return best
     masks = _dearest_starts(starts, b)
     if len(masks) > 1 and not _relaxed_may_pay(gains, caps, step_s, draft_s, miss, draft_rows,
-                                                fills, starts, draft_call_s,
-                                                plain_rate * (1 + min_gain)):
+                                                fills, starts, draft_call_s, bar):
         return best
     for left_out in masks:
         ks, rate = _search(gains, np.where(left_out, 0, caps), step_s, draft_s, miss,
                            draft_rows, fills, starts, draft_call_s)
-        if rate > best[1] and rate > plain_rate * (1 + min_gain):
+        if rate > best[1] and rate > bar:
             best = ks, rate
     return best
 
