@@ -56,7 +56,9 @@ second (the choice in `spec_decode.choice`, the time models in `spec_decode.time
   per second that the steps run as a solve chose them realized (their forward and the
   drafting call before it, catch-ups included), against the rate the solve predicted,
   relative to the same on the steps without drafts; where speculation realized a share f
-  of its predicted rate, a choice must predict (1 + min_gain) / f. Where the gain is thin
+  of its predicted rate, a choice must predict (1 + min_gain) / f, f read at the upper
+  end of its interval (`realized_z` standard errors), so a few noisy steps do not turn off
+  a real gain. Where the gain is thin
   what the model leaves out decides it: a request that resumes drafting pays its whole
   catch-up at once and may stop a few steps later, and a first accepted draft reads as a
   high acceptance.
@@ -214,6 +216,7 @@ class AdaptiveSettings:
     realized_check: bool = True  # ask more gain where speculation realized less (`realized`)
     realized_window: int = 64  # steps the realized sums decay over
     realized_prior_steps: float = 8.0
+    realized_z: float = 1.0  # standard errors of evidence before more gain is asked
     match_trim: bool = True  # cut prompt-lookup proposals by their match length
     match_trim_explore_every: int = 16  # every this many-th proposal of a length uncut
     shadow_every: int = 0  # tokens between a held request's shadow drafts (0: none)
@@ -357,7 +360,8 @@ class AdaptivePolicy:
         self._held: _Held | None = None  # the last solve's choice while its batch runs
         self._idle_steps = 0  # steps observed while held at K = 0
         self.lease: IdleLease | None = None
-        self.realized = RealizedGain(settings.realized_window, settings.realized_prior_steps)
+        self.realized = RealizedGain(settings.realized_window, settings.realized_prior_steps,
+                                     settings.realized_z)
         # the next step's batch size and, where it speculates as a solve chose, the
         # predicted (tokens, seconds) (None: it does not); None: a probe, or uncalibrated
         self._expect: tuple[int, tuple[float, float] | None] | None = None

@@ -20,20 +20,37 @@ A choice predicted (1 + g) times none's rate then realizes about (1 + g) x facto
 it, so the policy asks (1 + min_gain) / factor of its predictions. The factor is capped at
 1 (a guard: it never makes speculation look better than predicted) and shrunk towards 1 by
 `prior_steps` pseudo steps, since a step's tokens are one draw of its acceptance. The sums
-decay by 1 / `window` a step, so the factor follows the recent steps of each batch size."""
+decay by 1 / `window` a step, so the factor follows the recent steps of each batch size.
+
+A step's tokens are a noisy draw (prompt lookup at two to four requests: a step's log realized /
+predicted rate has a standard deviation of 0.25-0.45), so a factor read from a few dozen
+steps can sit 10% below what the same batch size reads in the next run, enough to turn a
+thin but real gain off; and once off, few steps of that size speculate to correct it. The
+factor applied is therefore the upper end of a one-sided interval: the point value times
+exp(`z` x its standard error), the error from the decayed variance of the steps' log
+ratios over their effective count (sum w)^2 / sum w^2 (Kish). Speculation is asked more of
+only where the evidence that it realizes less is `z` standard errors strong, the
+optimism-under-uncertainty of an upper confidence bound (Auer et al. 2002)."""
 
 from __future__ import annotations
+
+import math
 
 
 class RealizedGain:
     """Decayed sums per batch size B: [tokens, seconds, predicted tokens, predicted seconds,
-    steps] of speculating steps and [seconds, predicted seconds, steps] of steps without
-    drafts (plain lists: they grow on every step, where numpy's per-call cost on five
-    floats would exceed the arithmetic); `factors`: per batch size, the factor a choice
-    last applied (for the stats)."""
+    steps, squared step weights, log ratios, squared log ratios] of speculating steps and
+    [seconds, predicted seconds, steps] of steps without drafts (plain lists: they grow on
+    every step, where numpy's per-call cost on a few floats would exceed the arithmetic);
+    `factors`: per batch size, the factor a choice last applied (for the stats).
 
-    def __init__(self, window: int = 64, prior_steps: float = 8.0) -> None:
-        self.decay, self.prior_steps = 1.0 - 1.0 / window, prior_steps
+    Raises ValueError for a `window` below 1 or a negative `prior_steps` or `z`."""
+
+    def __init__(self, window: int = 64, prior_steps: float = 8.0, z: float = 1.0) -> None:
+        if window < 1 or prior_steps < 0 or z < 0:
+            raise ValueError(f"realized check: window {window} must be >= 1, prior_steps "
+                             f"{prior_steps} and z {z} >= 0")
+        self.decay, self.prior_steps, self.z = 1.0 - 1.0 / window, prior_steps, z
         self._on: dict[int, list[float]] = {}
         self._off: dict[int, list[float]] = {}
         self.factors: dict[int, float] = {}  # batch size -> the factor last applied
@@ -43,29 +60,39 @@ class RealizedGain:
         """A speculating step of `batch` requests that emitted `tokens` in `seconds` (its
         forward and the drafting call before it), where the choice predicted
         `predicted_tokens` in `predicted_seconds`."""
-        self._add(self._on, batch, (tokens, seconds, predicted_tokens, predicted_seconds, 1.0))
+        x = math.log(max(tokens, 1e-9) * predicted_seconds
+                     / max(predicted_tokens * seconds, 1e-12))
+        d = self.decay
+        sums = self._on.get(batch) or [0.0] * 8
+        self._on[batch] = [d * sums[0] + tokens, d * sums[1] + seconds,
+                           d * sums[2] + predicted_tokens, d * sums[3] + predicted_seconds,
+                           d * sums[4] + 1.0, d * d * sums[5] + 1.0,
+                           d * sums[6] + x, d * sums[7] + x * x]
 
     def observe_off(self, batch: int, seconds: float, predicted_seconds: float) -> None:
         """A step of `batch` requests without drafts whose forward took `seconds`, predicted
         `predicted_seconds` by the step-time model."""
-        self._add(self._off, batch, (seconds, predicted_seconds, 1.0))
-
-    def _add(self, table: dict[int, list[float]], batch: int, values: tuple) -> None:
-        sums = table.get(batch)
-        table[batch] = (list(values) if sums is None else
-                        [self.decay * s + v for s, v in zip(sums, values)])
+        sums = self._off.get(batch)
+        d = self.decay
+        self._off[batch] = ([seconds, predicted_seconds, 1.0] if sums is None else
+                            [d * sums[0] + seconds, d * sums[1] + predicted_seconds,
+                             d * sums[2] + 1.0])
 
     def factor(self, batch: int) -> float:
         """In (0, 1]: the share of its predicted rate that speculation realizes at `batch`
-        requests (module docstring); 1 until speculating steps of that size are seen."""
+        requests, at the upper end of its interval (module docstring); 1 until speculating
+        steps of that size are seen."""
         on = self._on.get(batch)
         if on is None or on[1] <= 0 or on[2] <= 0:
             return 1.0
-        tokens, seconds, p_tokens, p_seconds, steps = on
+        tokens, seconds, p_tokens, p_seconds, steps, squares, xs, xxs = on
         raw = (tokens / seconds) / (p_tokens / p_seconds)
         off = self._off.get(batch)
         if off is not None and off[0] > 0 and off[1] > 0:
             raw *= off[0] / off[1]
         weight = steps / (steps + self.prior_steps)
-        self.factors[batch] = f = float(min(1.0, 1.0 + weight * (raw - 1.0)))
+        point = 1.0 + weight * (raw - 1.0)
+        variance = max(0.0, xxs / steps - (xs / steps) ** 2)
+        error = math.sqrt(variance * squares) / steps  # sqrt(variance / effective steps)
+        self.factors[batch] = f = float(min(1.0, point * math.exp(self.z * error)))
         return f

@@ -145,3 +145,34 @@ def test_probes_are_not_counted_and_plain_steps_are_against_the_step_model():
     assert chosen == [0, 0, 4, 0, 0, 0]  # a probe on the third step, left out
     assert [r[0] for r in recorded] == ["off"] * 5
     assert recorded[0] == ("off", 1, 0.001, pytest.approx(0.001, rel=0.01))
+
+
+def _noisy_and_steady(steps: int, z: float) -> tuple[float, float]:
+    """Factors after `steps` speculating steps whose realized / predicted rate alternates
+    0.6 / 1.1 (a noisy draw of acceptance) against steps that realize 0.85 every time: about
+    the same point value."""
+    noisy, steady = RealizedGain(window=10**9, prior_steps=0, z=z), RealizedGain(
+        window=10**9, prior_steps=0, z=z)
+    for i in range(steps):
+        noisy.observe_on(4, 6.0 * (0.6 if i % 2 else 1.1), 0.020, 6.0, 0.020)
+        steady.observe_on(4, 6.0 * 0.85, 0.020, 6.0, 0.020)
+    return noisy.factor(4), steady.factor(4)
+
+
+def test_noisy_steps_ask_less_until_the_evidence_is_strong():
+    """Log ratios with a standard deviation of ~0.3: after 16 steps the upper bound is ~8%
+    above the point value; after 1600 under 1%, so a real shortfall still counts."""
+    noisy, steady = _noisy_and_steady(16, z=1.0)
+    assert steady == pytest.approx(0.85)
+    assert noisy > 0.9
+    noisy, steady = _noisy_and_steady(1600, z=1.0)
+    assert noisy == pytest.approx(0.85, abs=0.01)
+    noisy, _ = _noisy_and_steady(16, z=0.0)
+    assert noisy == pytest.approx(0.85, abs=0.005)
+
+
+def test_the_realized_check_rejects_bad_settings():
+    with pytest.raises(ValueError, match="window 0"):
+        RealizedGain(window=0)
+    with pytest.raises(ValueError, match="z -1"):
+        RealizedGain(z=-1)
