@@ -22,15 +22,15 @@ it, so the policy asks (1 + min_gain) / factor of its predictions. The factor is
 `prior_steps` pseudo steps, since a step's tokens are one draw of its acceptance. The sums
 decay by 1 / `window` a step, so the factor follows the recent steps of each batch size.
 
-A step's tokens are a noisy draw (prompt lookup at two to four requests: a step's log realized /
-predicted rate has a standard deviation of 0.25-0.45), so a factor read from a few dozen
-steps can sit 10% below what the same batch size reads in the next run, enough to turn a
-thin but real gain off; and once off, few steps of that size speculate to correct it. The
-factor applied is therefore the upper end of a one-sided interval: the point value times
-exp(`z` x its standard error), the error from the decayed variance of the steps' log
-ratios over their effective count (sum w)^2 / sum w^2 (Kish). Speculation is asked more of
-only where the evidence that it realizes less is `z` standard errors strong, the
-optimism-under-uncertainty of an upper confidence bound (Auer et al. 2002)."""
+A step's tokens are a noisy draw (prompt lookup at two to four requests: the log of a
+step's realized / predicted rate has a standard deviation of 0.25-0.45), so a factor read
+from a few dozen steps can sit 10% below what the same batch size reads in the next run,
+enough to turn a thin but real gain off; and once off, few steps of that size speculate to
+correct it. The factor applied is therefore the upper end of a one-sided interval: the
+point value times exp(`z` x its standard error), the error from the decayed variance of
+the steps' log ratios over their effective count (sum w)^2 / sum w^2 (Kish). Speculation
+is asked more of only where the evidence that it realizes less is `z` standard errors
+strong, the optimism-under-uncertainty of an upper confidence bound (Auer et al. 2002)."""
 
 from __future__ import annotations
 
