@@ -64,19 +64,16 @@ class RealizedGain:
                      / max(predicted_tokens * seconds, 1e-12))
         d = self.decay
         sums = self._on.get(batch) or [0.0] * 8
-        self._on[batch] = [d * sums[0] + tokens, d * sums[1] + seconds,
-                           d * sums[2] + predicted_tokens, d * sums[3] + predicted_seconds,
-                           d * sums[4] + 1.0, d * d * sums[5] + 1.0,
-                           d * sums[6] + x, d * sums[7] + x * x]
+        self._on[batch] = [decay * s + v for decay, s, v in zip(
+            (d, d, d, d, d, d * d, d, d), sums,
+            (tokens, seconds, predicted_tokens, predicted_seconds, 1.0, 1.0, x, x * x))]
 
     def observe_off(self, batch: int, seconds: float, predicted_seconds: float) -> None:
         """A step of `batch` requests without drafts whose forward took `seconds`, predicted
         `predicted_seconds` by the step-time model."""
-        sums = self._off.get(batch)
-        d = self.decay
-        self._off[batch] = ([seconds, predicted_seconds, 1.0] if sums is None else
-                            [d * sums[0] + seconds, d * sums[1] + predicted_seconds,
-                             d * sums[2] + 1.0])
+        sums = self._off.get(batch) or [0.0] * 3
+        self._off[batch] = [self.decay * s + v for s, v in
+                            zip(sums, (seconds, predicted_seconds, 1.0))]
 
     def factor(self, batch: int) -> float:
         """In (0, 1]: the share of its predicted rate that speculation realizes at `batch`
