@@ -65,7 +65,8 @@ class EngineStats:
             STEP_ERRORS_KEPT predicted steps (a server runs for days; the steps of an idle
             lease, `AdaptivePolicy.grant_lease`, count once, at their mean).
         num_step_time_predictions: predicted steps since start (every error ever appended).
-        realized_gain_factors: batch size -> the share of its predicted rate that the
+        realized_gain_factors: batch size bucket (its top, a power of two: sizes above
+            half of it share it) -> the share of its predicted rate that the
             adaptive policy's speculation realized there, as its last choice at that size
             applied it (`spec_decode.realized`; 1: as predicted or better, or no data).
         num_trimmed_draft_tokens: prompt-lookup drafts the adaptive policy cut by their

@@ -52,13 +52,13 @@ second (the choice in `spec_decode.choice`, the time models in `spec_decode.time
   prompts in steps of their own). SmolLM2 with prompt lookup on half code, half
   translation prompts at eight requests: speculating raised the tokens per second of full
   decode steps by 1-5% and lowered the whole run's by 2-4%.
-- A realized check (`realized_check`, `spec_decode.realized`): per batch size, the tokens
-  per second that the steps run as a solve chose them realized (their forward and the
-  drafting call before it, catch-ups included), against the rate the solve predicted,
-  relative to the same on the steps without drafts; where speculation realized a share f
-  of its predicted rate, a choice must predict (1 + min_gain) / f, f read at the upper
-  end of its interval (`realized_z` standard errors), so a few noisy steps do not turn off
-  a real gain. Where the gain is thin
+- A realized check (`realized_check`, `spec_decode.realized`): per batch size (pooled
+  within powers of two), the tokens per second that the steps run as a solve chose them
+  realized (their forward and the drafting call before it, catch-ups included), against
+  the rate the solve predicted, relative to the same on the steps without drafts; where
+  speculation realized a share f of its predicted rate, a choice must predict
+  (1 + min_gain) / f, f read at the upper end of its interval (`realized_z` standard
+  errors), so a few noisy steps do not turn off a real gain. Where the gain is thin
   what the model leaves out decides it: a request that resumes drafting pays its whole
   catch-up at once and may stop a few steps later, and a first accepted draft reads as a
   high acceptance.

@@ -30,11 +30,23 @@ correct it. The factor applied is therefore the upper end of a one-sided interva
 point value times exp(`z` x its standard error), the error from the decayed variance of
 the steps' log ratios over their effective count (sum w)^2 / sum w^2 (Kish). Speculation
 is asked more of only where the evidence that it realizes less is `z` standard errors
-strong, the optimism-under-uncertainty of an upper confidence bound (Auer et al. 2002)."""
+strong, the optimism-under-uncertainty of an upper confidence bound (Auer et al. 2002).
+
+Batch sizes are pooled in powers of two (1, 2, 3-4, 5-8, ...: `batch_bucket`): a batch that
+drains passes through each size for a few steps only, so per exact size every factor would
+rest on a handful of steps, its interval wide and its upper end 1 at every size. The
+realized share moves smoothly with the batch, so sizes within a factor of two share their
+evidence."""
 
 from __future__ import annotations
 
 import math
+
+
+def batch_bucket(batch: int) -> int:
+    """The power of two at or above `batch` (>= 1): the batch sizes (bucket / 2, bucket]
+    share their realized sums."""
+    return 1 << (batch - 1).bit_length()
 
 
 class RealizedGain:
@@ -42,7 +54,8 @@ class RealizedGain:
     steps, squared step weights, log ratios, squared log ratios] of speculating steps and
     [seconds, predicted seconds, steps] of steps without drafts (plain lists: they grow on
     every step, where numpy's per-call cost on a few floats would exceed the arithmetic);
-    `factors`: per batch size, the factor a choice last applied (for the stats).
+    `factors`: per bucket of batch sizes (`batch_bucket`), the factor a choice last
+    applied (for the stats).
 
     Raises ValueError for a `window` below 1 or a negative `prior_steps` or `z`."""
 
@@ -53,7 +66,7 @@ class RealizedGain:
         self.decay, self.prior_steps, self.z = 1.0 - 1.0 / window, prior_steps, z
         self._on: dict[int, list[float]] = {}
         self._off: dict[int, list[float]] = {}
-        self.factors: dict[int, float] = {}  # batch size -> the factor last applied
+        self.factors: dict[int, float] = {}  # batch bucket -> the factor last applied
 
     def observe_on(self, batch: int, tokens: float, seconds: float,
                    predicted_tokens: float, predicted_seconds: float) -> None:
@@ -63,6 +76,7 @@ class RealizedGain:
         x = math.log(max(tokens, 1e-9) * predicted_seconds
                      / max(predicted_tokens * seconds, 1e-12))
         d = self.decay
+        batch = batch_bucket(batch)
         sums = self._on.get(batch) or [0.0] * 8
         self._on[batch] = [decay * s + v for decay, s, v in zip(
             (d, d, d, d, d, d * d, d, d), sums,
@@ -71,6 +85,7 @@ class RealizedGain:
     def observe_off(self, batch: int, seconds: float, predicted_seconds: float) -> None:
         """A step of `batch` requests without drafts whose forward took `seconds`, predicted
         `predicted_seconds` by the step-time model."""
+        batch = batch_bucket(batch)
         sums = self._off.get(batch) or [0.0] * 3
         self._off[batch] = [self.decay * s + v for s, v in
                             zip(sums, (seconds, predicted_seconds, 1.0))]
@@ -79,6 +94,7 @@ class RealizedGain:
         """In (0, 1]: the share of its predicted rate that speculation realizes at `batch`
         requests, at the upper end of its interval (module docstring); 1 until speculating
         steps of that size are seen."""
+        batch = batch_bucket(batch)
         on = self._on.get(batch)
         if on is None or on[1] <= 0 or on[2] <= 0:
             return 1.0

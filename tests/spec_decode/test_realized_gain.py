@@ -176,3 +176,15 @@ def test_the_realized_check_rejects_bad_settings():
         RealizedGain(window=0)
     with pytest.raises(ValueError, match="z -1"):
         RealizedGain(z=-1)
+
+
+def test_batch_sizes_within_a_power_of_two_share_their_evidence():
+    """Steps at 5, 6 and 7 requests realizing 80% of their prediction count for 8 (and the
+    stats name the bucket by its top), not for 4 or 9."""
+    r = RealizedGain(window=10**9, prior_steps=0, z=0)
+    for batch in (5, 6, 7) * 20:
+        r.observe_on(batch, 0.8 * 9, 0.020, 9.0, 0.020)
+    assert r.factor(8) == pytest.approx(0.8)
+    assert r.factor(5) == pytest.approx(0.8)
+    assert r.factor(4) == 1.0 and r.factor(9) == 1.0
+    assert set(r.factors) == {8}

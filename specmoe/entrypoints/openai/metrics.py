@@ -4,7 +4,8 @@ clash). Names follow vLLM's (`vllm:` -> `specmoe:`) where vLLM has one.
 Gauges: specmoe:num_requests_running, specmoe:num_requests_waiting, specmoe:kv_cache_usage_perc,
 specmoe:kv_cache_blocks_used, specmoe:kv_cache_blocks_total, specmoe:num_requests_in_flight,
 specmoe:spec_decode_realized_gain_factor{batch_size} (the share of its predicted rate that the
-adaptive policy's speculation realized at that batch size, `spec_decode.realized`).
+adaptive policy's speculation realized at batch sizes up to that power of two and above
+half of it, `spec_decode.realized`).
 Counters (exposed with a `_total` suffix): specmoe:prefix_cache_queries / _hits (tokens),
 specmoe:num_preemptions, specmoe:prompt_tokens, specmoe:generation_tokens,
 specmoe:request_success{finished_reason}, specmoe:spec_decode_num_drafts,
@@ -83,7 +84,8 @@ class ServerMetrics(NullEngineObserver):
         self.kv_total = g("kv_cache_blocks_total", "KV cache blocks in the pool.")
         self.realized = Gauge(P + "spec_decode_realized_gain_factor", "Share of its "
                               "predicted rate that the adaptive policy's speculation "
-                              "realized, per batch size (1: as predicted or better).",
+                              "realized, per batch size bucket (batch_size: its top, a "
+                              "power of two; 1: as predicted or better).",
                               labels + ["batch_size"], registry=r)
         self.prefix_queries = c("prefix_cache_queries", "Prefix-cache queried tokens.")
         self.prefix_hits = c("prefix_cache_hits", "Prefix-cache hit tokens.")
