@@ -50,12 +50,12 @@ def batch_bucket(batch: int) -> int:
 
 
 class RealizedGain:
-    """Decayed sums per batch size B: [tokens, seconds, predicted tokens, predicted seconds,
-    steps, squared step weights, log ratios, squared log ratios] of speculating steps and
-    [seconds, predicted seconds, steps] of steps without drafts (plain lists: they grow on
-    every step, where numpy's per-call cost on a few floats would exceed the arithmetic);
-    `factors`: per bucket of batch sizes (`batch_bucket`), the factor a choice last
-    applied (for the stats).
+    """Decayed sums per bucket of batch sizes: [tokens, seconds, predicted tokens,
+    predicted seconds, steps, squared step weights, log ratios, squared log ratios] of
+    speculating steps and [seconds, predicted seconds, steps] of steps without drafts
+    (plain lists: they grow on every step, where numpy's per-call cost on a few floats
+    would exceed the arithmetic); `factors`: per bucket (`batch_bucket`), the factor a
+    choice last applied (for the stats).
 
     Raises ValueError for a `window` below 1 or a negative `prior_steps` or `z`."""
 
