@@ -76,19 +76,21 @@ class RealizedGain:
         x = math.log(max(tokens, 1e-9) * predicted_seconds
                      / max(predicted_tokens * seconds, 1e-12))
         d = self.decay
-        batch = batch_bucket(batch)
-        sums = self._on.get(batch) or [0.0] * 8
-        self._on[batch] = [decay * s + v for decay, s, v in zip(
-            (d, d, d, d, d, d * d, d, d), sums,
-            (tokens, seconds, predicted_tokens, predicted_seconds, 1.0, 1.0, x, x * x))]
+        self._add(self._on, batch, (d, d, d, d, d, d * d, d, d),
+                  (tokens, seconds, predicted_tokens, predicted_seconds, 1.0, 1.0, x, x * x))
 
     def observe_off(self, batch: int, seconds: float, predicted_seconds: float) -> None:
         """A step of `batch` requests without drafts whose forward took `seconds`, predicted
         `predicted_seconds` by the step-time model."""
-        batch = batch_bucket(batch)
-        sums = self._off.get(batch) or [0.0] * 3
-        self._off[batch] = [self.decay * s + v for s, v in
-                            zip(sums, (seconds, predicted_seconds, 1.0))]
+        d = self.decay
+        self._add(self._off, batch, (d, d, d), (seconds, predicted_seconds, 1.0))
+
+    @staticmethod
+    def _add(table: dict[int, list[float]], batch: int, decays: tuple, values: tuple) -> None:
+        """Decay the sums of `batch`'s bucket, each by its factor, and add `values`."""
+        bucket = batch_bucket(batch)
+        sums = table.get(bucket) or [0.0] * len(values)
+        table[bucket] = [k * s + v for k, s, v in zip(decays, sums, values)]
 
     def factor(self, batch: int) -> float:
         """In (0, 1]: the share of its predicted rate that speculation realizes at `batch`
