@@ -27,20 +27,33 @@ def find_ngram_continuation(context: list[int], min_n: int, max_n: int,
 def find_ngram_match(context: list[int], min_n: int, max_n: int,
                      num_tokens: int) -> tuple[list[int], int]:
     """`find_ngram_continuation` and the length n of the match it continues (0 where it
-    returns [])."""
+    returns []).
+
+    Every earlier occurrence of the last token ends a candidate match (found in one array
+    comparison); the candidates are grown backwards while they match the suffix, latest
+    first, until one reaches max_n: the latest of the longest wins. Where a sliding window
+    per n (tried from max_n down) cost ~80 us a request on a 300-token context, 4% of a
+    SmolLM2 step at eight requests, this costs ~10. `tests/spec_decode/test_ngram.py` holds
+    the rule in plain Python and checks the two agree."""
     if not 1 <= min_n <= max_n:
         raise ValueError(f"invalid n-gram range [{min_n}, {max_n}]: need 1 <= min <= max")
-    if num_tokens <= 0:
+    if num_tokens <= 0 or len(context) < min_n + 1:
         return [], 0
     arr = np.asarray(context, dtype=np.int64)
-    for n in range(min(max_n, len(arr) - 1), min_n - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # [L - n, n]
-        hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            tokens = arr[start:start + num_tokens].tolist()
-            return tokens, n if tokens else 0
-    return [], 0
+    ends = np.flatnonzero(arr[:-1] == arr[-1]).tolist()  # a match's last token
+    cap = min(max_n, len(arr) - 1)
+    best, best_end = 0, -1
+    for end in reversed(ends):
+        n = 1
+        while n < cap and n <= end and arr[end - n] == arr[-1 - n]:
+            n += 1
+        if n > best:
+            best, best_end = n, end
+            if n == cap:
+                break
+    if best < min_n:
+        return [], 0
+    return arr[best_end + 1:best_end + 1 + num_tokens].tolist(), best
 
 
 class NgramProposer:

@@ -92,8 +92,9 @@ def test_proposal_truncated_at_end_of_context():
 
 def test_matches_reference_on_random_contexts():
     rng = random.Random(0)
-    for _ in range(500):
-        context = [rng.randrange(4) for _ in range(rng.randrange(0, 25))]
+    for case in range(800):  # short contexts over 4 tokens; then long ones, larger vocabularies
+        vocab, most = (4, 25) if case < 500 else (rng.choice((2, 8, 50)), 300)
+        context = [rng.randrange(vocab) for _ in range(rng.randrange(0, most))]
         min_n = rng.randint(1, 3)
         max_n = rng.randint(min_n, 5)
         num_tokens = rng.randint(-1, 6)
