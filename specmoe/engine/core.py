@@ -321,7 +321,17 @@ class EngineCore:
             return own
         return self.policy.choose(list(own), list(own.values()), len(live),
                                   lambda: self._pending_tokens(live),
-                                  lambda: [req.num_tokens_left for req in live])
+                                  lambda: [req.num_tokens_left for req in live],
+                                  self._prompt_rows_ahead(len(live)))
+
+    def _prompt_rows_ahead(self, decode_rows: int) -> int:
+        """Rows of prompt chunks the next step is expected to compute beside the decoding
+        ones (`Scheduler.prompt_rows_ahead`); 0 without a waiting request or one still in
+        its prefill (the usual step, which should not pay for the count)."""
+        scheduler = self.scheduler
+        if not scheduler.waiting and len(scheduler.running) <= decode_rows:
+            return 0
+        return scheduler.prompt_rows_ahead(decode_rows)
 
     def _leased_step(self, reqs: list[Request], windows: list[int], seconds: float) -> bool:
         """Whether this step is one the adaptive policy leased (`IdleLease`): every

@@ -146,6 +146,27 @@ class Scheduler:
         out.stats = self._step_stats(out)
         return out
 
+    def prompt_rows_ahead(self, decode_rows: int) -> int:
+        """Rows of prompt chunks the next step is expected to compute beside `decode_rows`
+        rows of decoding requests: the rest of the running requests' prompts (chunked
+        prefill), then the prompts of the waiting requests it would admit, within the token
+        budget and the cap on running requests. An upper bound (prefix-cache hits and the
+        KV cache's room are not counted), for a speculation policy: a draft row beside a
+        prompt chunk costs a compute-bound row."""
+        budget = self.config.max_num_batched_tokens - decode_rows
+        rows = 0
+        for req in self.running:
+            gap = req.num_tokens - req.num_computed_tokens
+            if gap > 1:
+                rows += min(gap, max(budget - rows, 0))
+        seats = self.config.max_num_seqs - len(self.running)
+        for req in self.waiting:
+            if rows >= budget or seats <= 0:
+                break
+            rows += min(req.num_tokens - req.num_computed_tokens, budget - rows)
+            seats -= 1
+        return max(min(rows, budget), 0)
+
     def update_from_output(self, out: SchedulerOutput, num_rejected: dict[str, int]) -> list[Request]:
         """Advance computed-token counts after the step's forward and sampling.
 

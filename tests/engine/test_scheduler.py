@@ -376,3 +376,22 @@ def test_prefix_cache_lookups_are_counted_once_per_admission():
     engine.run()
     stats = engine.kv_cache.block_pool.prefix_cache_stats
     assert (stats.num_queries, stats.num_query_tokens) == (2, 13 + 2)
+
+
+def test_prompt_rows_ahead_are_the_next_steps_prompt_chunks():
+    """Without prefix-cache hits or a full KV cache, `prompt_rows_ahead` is exactly the rows
+    of prompt chunks (running requests' remaining prompts, then admitted waiting ones) the
+    next step computes beside its decoding rows."""
+    eng = FakeEngine(num_blocks=256, budget=64, max_num_seqs=3, prefix_caching=False)
+    for i, (length, max_tokens) in enumerate([(10, 4), (100, 3), (30, 6), (5, 2), (70, 3)]):
+        eng.add(f"r{i}", [20 + (i + j) % 50 for j in range(length)], max_tokens)
+    seen = set()
+    while eng.sched.has_unfinished_requests:
+        gaps = {r.request_id: r.num_tokens - r.num_computed_tokens for r in eng.sched.running}
+        decode_rows = sum(gap == 1 for gap in gaps.values())
+        ahead = eng.sched.prompt_rows_ahead(decode_rows)
+        out = eng.step()
+        assert ahead == sum(len(s.token_ids) - s.num_draft_tokens for s in out.scheduled
+                            if gaps.get(s.request_id, 2) > 1)
+        seen.add(ahead)
+    assert {0, 63, 64} <= seen  # decode-only steps; chunks cut by the budget, one beside a decode

@@ -427,6 +427,33 @@ def test_a_speculating_batch_is_re_solved_every_few_steps(monkeypatch):
     assert p.choose(["b"], [4], 1) == {"b": 4} and len(solves) == 3  # a left: held
 
 
+def test_drafts_beside_a_prompt_chunk_are_priced_at_its_margin():
+    """A step that also computes a prompt chunk prices each draft row at what a row adds
+    to that compute-bound step, against a plain decode step's rate: drafts free in an
+    eight-request decode step are dropped beside a 200-row prefill, the held choice goes
+    on afterwards, and where rows cost nothing the prompt changes nothing."""
+    batch = [f"r{i}" for i in range(8)]
+
+    def policy(slope: float) -> AdaptivePolicy:
+        p = AdaptivePolicy(AdaptiveSettings(max_k=4, probe_every=1000))
+        for rows in [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]:  # flat to 32 rows, then steep
+            p.observe_step(rows, 0.010 + slope * max(0, rows - 32))
+        for r in batch:
+            for _ in range(20):
+                p.observe_verified(r, 4, 4)
+        return p
+    p = policy(0.002)  # 2 ms a row past 32: below the decode step's 0.8 tokens a ms
+    decode = p.choose(batch, [4] * 8, 8)
+    assert set(decode.values()) == {3}  # 8 x 4 rows: the most that stay flat
+    assert p.choose(batch, [4] * 8, 8, prompt_rows=200) == dict.fromkeys(batch, 0)
+    assert p.prompt_cut_steps == 1
+    assert p.choose(batch, [4] * 8, 8) == decode
+    flat = policy(0.0)
+    decode = flat.choose(batch, [4] * 8, 8)
+    assert flat.choose(batch, [4] * 8, 8, prompt_rows=200) == decode
+    assert flat.prompt_cut_steps == 0
+
+
 def test_a_confirmed_choice_is_held_longer(monkeypatch):
     """A solve that returns the Ks it held doubles the hold (3, 6, 12, then the cap of
     12); a new batch restarts it."""
