@@ -101,6 +101,7 @@ class EngineCore:
         self._draft_probs: dict[str, torch.Tensor | None] = {}
         self.step_observer = NullStepObserver()
         self._failed: list[Request] = []  # this step's requests failed alone (`_fail`)
+        self._prefilling = False  # the last step left a prompt part-computed (the policy's)
 
     def add_request(self, req: Request, generator: torch.Generator) -> None:
         """Queue a request; `generator` drives all of its random draws.
@@ -148,7 +149,11 @@ class EngineCore:
                 the admission checks of `Scheduler.add_request`; guards against a hang).
         """
         self.thread_governor.update()
+        if self.policy is not None:
+            self._cut_beside_prompts()
         out = self.scheduler.schedule()
+        if self.policy is not None:
+            self._prefilling = any(not s.num_logits for s in out.scheduled)
         for request_id in out.preempted_request_ids:
             self._drop_drafts(request_id)
         if not out.scheduled:
@@ -321,17 +326,29 @@ class EngineCore:
             return own
         return self.policy.choose(list(own), list(own.values()), len(live),
                                   lambda: self._pending_tokens(live),
-                                  lambda: [req.num_tokens_left for req in live],
-                                  self._prompt_rows_ahead(len(live)))
+                                  lambda: [req.num_tokens_left for req in live])
 
-    def _prompt_rows_ahead(self, decode_rows: int) -> int:
-        """Rows of prompt chunks the next step is expected to compute beside the decoding
-        ones (`Scheduler.prompt_rows_ahead`); 0 without a waiting request or one still in
-        its prefill (the usual step, which should not pay for the count)."""
+    def _cut_beside_prompts(self) -> None:
+        """Before scheduling: where the step will also compute prompt chunks (a request
+        waiting, or one whose prompt did not fit the last step), let the adaptive policy
+        cut the drafts the decoding requests proposed, which it chose for a decode-only
+        step (`AdaptivePolicy.beside_prompts`). Skipped on the usual step, which should not
+        pay for the count."""
         scheduler = self.scheduler
-        if not scheduler.waiting and len(scheduler.running) <= decode_rows:
-            return 0
-        return scheduler.prompt_rows_ahead(decode_rows)
+        if not scheduler.waiting and not self._prefilling:
+            return
+        decoding = [req for req in scheduler.running
+                    if req.num_tokens - req.num_computed_tokens == 1]
+        drafts = [len(req.spec_token_ids) for req in decoding]
+        if not any(drafts):
+            return
+        prompt_rows = scheduler.prompt_rows_ahead(len(decoding))
+        kept = self.policy.beside_prompts([req.request_id for req in decoding], drafts,
+                                          len(decoding), prompt_rows)
+        for req, n, k in zip(decoding, drafts, kept):
+            if k < n:
+                req.spec_token_ids = req.spec_token_ids[:k]
+                self.stats.num_trimmed_draft_tokens += n - k
 
     def _leased_step(self, reqs: list[Request], windows: list[int], seconds: float) -> bool:
         """Whether this step is one the adaptive policy leased (`IdleLease`): every

@@ -69,8 +69,10 @@ class EngineStats:
             half of it share it) -> the share of its predicted rate that the
             adaptive policy's speculation realized there, as its last choice at that size
             applied it (`spec_decode.realized`; 1: as predicted or better, or no data).
-        num_trimmed_draft_tokens: prompt-lookup drafts the adaptive policy cut by their
-            match length before verification (`spec_decode.match_trim`).
+        num_trimmed_draft_tokens: drafts the adaptive policy cut before verification:
+            prompt lookup's by their match length (`spec_decode.match_trim`), any
+            proposer's where the step also computes a prompt chunk
+            (`AdaptivePolicy.beside_prompts`).
         num_shadow_draft_tokens, num_shadow_accepted_tokens: prompt-lookup drafts proposed
             for requests the adaptive policy held at K = 0 and never verified, and those of
             them the target then emitted in their places (`spec_decode.shadow`).

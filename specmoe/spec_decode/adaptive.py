@@ -521,8 +521,7 @@ class AdaptivePolicy:
             self.draft_time.observe(forward_rows, seconds)
 
     def choose(self, request_ids: list[str], caps: list[int], base_rows: int,
-               pending: Pending = None, remaining: Pending = None,
-               prompt_rows: int = 0) -> dict[str, int]:
+               pending: Pending = None, remaining: Pending = None) -> dict[str, int]:
         """K per request (at most its cap) for the next step; `base_rows`: the rows the
         step computes without drafts (the predicted time adds the expected draft rows);
         `pending`: per request, the tokens its draft cache lacks (its catch-up, priced by
@@ -530,18 +529,7 @@ class AdaptivePolicy:
         that need them (most steps hold their Ks and need none: a lookup per request per
         step is a cost of its own on a target whose steps take a millisecond);
         `remaining`: likewise, the most tokens each request may still generate (its
-        max_tokens less those generated; None: `catch_up_horizon` steps); `prompt_rows`:
-        rows of prompt chunks the step is expected to compute beside the decoding rows
-        (`_beside_prompts` may lower the Ks for them)."""
-        ks = self._choose(request_ids, caps, base_rows, pending, remaining)
-        if prompt_rows > 0 and not self._probed and any(ks.values()):
-            ks = self._beside_prompts(request_ids, ks, base_rows, prompt_rows, pending,
-                                      remaining)
-        return ks
-
-    def _choose(self, request_ids: list[str], caps: list[int], base_rows: int,
-                pending: Pending, remaining: Pending) -> dict[str, int]:
-        """`choose` for a step of decoding rows only."""
+        max_tokens less those generated; None: `catch_up_horizon` steps)."""
         self._step_drafted = self._step_accepted = 0
         self._draft_call_s, self._expect = 0.0, None
         if not request_ids:
@@ -568,35 +556,38 @@ class AdaptivePolicy:
         self._back_off(bool(ks.any()))
         return self._keep(request_ids, ks.tolist(), caps, pending)
 
-    def _beside_prompts(self, request_ids: list[str], ks: dict[str, int], base_rows: int,
-                        prompt_rows: int, pending: Pending, remaining: Pending
-                        ) -> dict[str, int]:
-        """The Ks `_choose` gave, cut for a step that also computes `prompt_rows` rows of
-        prompt chunks: there a draft row costs what a row adds to that larger, often
+    def beside_prompts(self, request_ids: list[str], drafts: list[int], base_rows: int,
+                       prompt_rows: int) -> list[int]:
+        """How many of their proposed `drafts` the decoding requests `request_ids` keep in a
+        step that also computes `prompt_rows` rows of prompt chunks (requests that joined
+        after the drafts were chosen, or a long prompt's next chunk) beside its `base_rows`
+        decoding rows. There a draft row costs what a row adds to that larger, often
         compute-bound step (SmolLM2 on a 2-core EPYC: ~0.65 ms beside a 749-row prefill,
-        against ~0.35 ms in an eight-request decode step). The drafts are priced at that
-        margin against the decode step's own rate: the prompt rows take as long with or
-        without them, so the choice must beat what a plain decode step yields per second,
-        not the prompt step's. Only lowers Ks; the held choice and its hysteresis are left
-        as they are (the next decode-only step goes on with them)."""
-        caps = np.array([ks[r] for r in request_ids], dtype=np.int64)
-        gains, fills = map(np.stack, zip(*(self.acceptance.slots(r) for r in request_ids)))
+        against ~0.35 ms in an eight-request decode step), and the drafting is paid. The
+        drafts are priced at that margin against a plain decode step's rate: the prompt rows
+        take as long with or without them, so they must beat what a decode step yields a
+        second, not the prompt step's. Only lowers the counts; the held choice is left as
+        it is. Before calibration, or on a probe's step, the drafts are kept."""
+        caps = np.asarray(drafts, dtype=np.int64)
+        if not self.calibrated or self._probed or not caps.any() or prompt_rows <= 0:
+            return list(drafts)
+        # proposed drafts fill their slots: a slot's gain is its acceptance alone
+        gains = np.stack([np.cumprod(self.acceptance.rates(r)) for r in request_ids])
         miss = self._miss()
         zero = np.zeros(1)
         base_miss = np.full(1, len(request_ids) * miss[0] if miss is not None else 0.0)
         plain, busy = self._step_fn(base_rows), self._step_fn(base_rows + prompt_rows, False)
         offset = float(plain(zero, base_miss)[0] - busy(zero, base_miss)[0])
 
-        def step_s(drafts, misses, var=None):
-            return busy(drafts, misses, var) + offset
+        def step_s(rows, misses, var=None):
+            return busy(rows, misses, var) + offset
         realized = self.realized.factor(len(request_ids)) if self.s.realized_check else 1.0
-        cut, _ = choose_ks(gains, caps, step_s, miss_step=miss, fills=fills,
-                           min_gain=(1 + self.s.min_gain) / realized - 1,
-                           **self._drafting(request_ids, gains, caps, pending, remaining))
-        if (cut != caps).any():
+        kept, _ = choose_ks(gains, caps, step_s, 0.0, miss_step=miss,
+                            min_gain=(1 + self.s.min_gain) / realized - 1)
+        if (kept != caps).any():
             self._expect = None
             self.prompt_cut_steps += 1
-        return dict(zip(request_ids, cut.tolist()))
+        return kept.tolist()
 
     def _admits(self, held: _Held, request_ids: list[str]) -> bool:
         """Whether `held` gives this step's Ks without a solve: it has not expired and no

@@ -8,7 +8,7 @@ prompt lookup, half code and half translation prompts at four requests, the poli
 speculation off on 98-100% of request-steps in each repetition of two sweeps (a few probes
 at K = 8 brought too little back), where static K = 2 ran 1.00-1.15x plain.
 
-Prompt lookup's proposal costs ~60 us a request and no state, and its drafts are
+Prompt lookup's proposal costs ~10 us a request and no state, and its drafts are
 deterministic (q one-hot), so whether verification would have accepted them can be read
 from the tokens the request emits next: a draft d_j is accepted exactly when the target
 emits it at that position after d_0..d_{j-1}. Under greedy decoding that is the argmax;
@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # tokens between a request's shadows: a shadow of K <= 8 drafts resolves within 8 tokens,
-# so a request held at K = 0 has one open most of the time, at ~60 us each per 8 steps
+# so a request held at K = 0 has one open most of the time, at ~10 us each per 8 steps
 SHADOW_EVERY = 8
 
 

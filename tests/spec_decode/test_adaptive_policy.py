@@ -428,10 +428,10 @@ def test_a_speculating_batch_is_re_solved_every_few_steps(monkeypatch):
 
 
 def test_drafts_beside_a_prompt_chunk_are_priced_at_its_margin():
-    """A step that also computes a prompt chunk prices each draft row at what a row adds
-    to that compute-bound step, against a plain decode step's rate: drafts free in an
-    eight-request decode step are dropped beside a 200-row prefill, the held choice goes
-    on afterwards, and where rows cost nothing the prompt changes nothing."""
+    """Drafts proposed for a decode-only step, then scheduled beside a prompt chunk, are
+    priced at what a row adds to that compute-bound step against a plain decode step's
+    rate: drafts free in an eight-request decode step are dropped beside a 200-row prefill,
+    the held choice goes on afterwards, and where rows cost nothing all are kept."""
     batch = [f"r{i}" for i in range(8)]
 
     def policy(slope: float) -> AdaptivePolicy:
@@ -442,15 +442,18 @@ def test_drafts_beside_a_prompt_chunk_are_priced_at_its_margin():
             for _ in range(20):
                 p.observe_verified(r, 4, 4)
         return p
-    p = policy(0.002)  # 2 ms a row past 32: below the decode step's 0.8 tokens a ms
+    p = policy(0.002)  # 2 ms a row past 32: a draft's token at most 0.5 a ms, plain 0.8
     decode = p.choose(batch, [4] * 8, 8)
     assert set(decode.values()) == {3}  # 8 x 4 rows: the most that stay flat
-    assert p.choose(batch, [4] * 8, 8, prompt_rows=200) == dict.fromkeys(batch, 0)
+    assert p.beside_prompts(batch, [3] * 8, 8, 0) == [3] * 8
+    assert p.beside_prompts(batch, [3] * 8, 8, 200) == [0] * 8
     assert p.prompt_cut_steps == 1
     assert p.choose(batch, [4] * 8, 8) == decode
+    p = policy(0.0005)  # 0.5 ms a row: accepted drafts beat the decode rate, the rest not
+    kept = p.beside_prompts(batch, [3, 3, 0, 1, 3, 3, 3, 3], 8, 200)
+    assert kept[2:4] == [0, 1] and 0 < min(kept[:2] + kept[4:]) and max(kept) <= 3
     flat = policy(0.0)
-    decode = flat.choose(batch, [4] * 8, 8)
-    assert flat.choose(batch, [4] * 8, 8, prompt_rows=200) == decode
+    assert flat.beside_prompts(batch, [3] * 8, 8, 200) == [3] * 8
     assert flat.prompt_cut_steps == 0
 
 

@@ -14,8 +14,8 @@ specmoe:spec_decode_num_accepted_tokens_per_pos{position},
 specmoe:spec_decode_num_paused_steps (steps after which no request drafted: the batch-size
 rules or the adaptive policy turned speculation off), specmoe:engine_steps (with the paused
 steps: the fraction of steps with speculation off),
-specmoe:spec_decode_num_trimmed_draft_tokens (prompt-lookup drafts the adaptive policy cut by
-their match length before verification), specmoe:spec_decode_num_shadow_draft_tokens and
+specmoe:spec_decode_num_trimmed_draft_tokens (drafts the adaptive policy cut before
+verification: by their match length, or beside a prompt chunk), specmoe:spec_decode_num_shadow_draft_tokens and
 specmoe:spec_decode_num_shadow_accepted_tokens (prompt-lookup drafts proposed for requests
 held at K = 0 and never verified, and those the target then emitted), specmoe:engine_step_failures,
 specmoe:http_responses{status} and, for MoE targets, specmoe:moe_expert_load{layer,expert}
@@ -102,8 +102,9 @@ class ServerMetrics(NullEngineObserver):
         self.paused_steps = c("spec_decode_num_paused_steps", "Steps after which no request "
                               "drafted: at least disable_by_batch_size requests running, "
                               "or K=0 in the batch-size table.")
-        self.trimmed = c("spec_decode_num_trimmed_draft_tokens", "Prompt-lookup drafts the "
-                         "adaptive policy cut by their match length before verification.")
+        self.trimmed = c("spec_decode_num_trimmed_draft_tokens", "Drafts the adaptive policy "
+                         "cut before verification: by their match length, or beside a "
+                         "prompt chunk.")
         self.shadow_drafts = c("spec_decode_num_shadow_draft_tokens", "Prompt-lookup drafts "
                                "proposed for requests the adaptive policy held at K = 0, "
                                "never verified.")
