@@ -335,13 +335,12 @@ class EngineCore:
         step (`AdaptivePolicy.beside_prompts`). Skipped on the usual step, which should not
         pay for the count."""
         scheduler = self.scheduler
-        if not scheduler.waiting and not self._prefilling:
+        if ((not scheduler.waiting and not self._prefilling)
+                or not any(req.spec_token_ids for req in scheduler.running)):
             return
         decoding = [req for req in scheduler.running
                     if req.num_tokens - req.num_computed_tokens == 1]
         drafts = [len(req.spec_token_ids) for req in decoding]
-        if not any(drafts):
-            return
         prompt_rows = scheduler.prompt_rows_ahead(len(decoding))
         kept = self.policy.beside_prompts([req.request_id for req in decoding], drafts,
                                           len(decoding), prompt_rows)

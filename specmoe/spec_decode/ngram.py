@@ -41,11 +41,12 @@ def find_ngram_match(context: list[int], min_n: int, max_n: int,
         return [], 0
     arr = np.asarray(context, dtype=np.int64)
     ends = np.flatnonzero(arr[:-1] == arr[-1]).tolist()  # a match's last token
-    cap = min(max_n, len(arr) - 1)
+    seq = context if isinstance(context, list) else arr.tolist()  # cheap scalar reads
+    cap = min(max_n, len(seq) - 1)
     best, best_end = 0, -1
     for end in reversed(ends):
         n = 1
-        while n < cap and n <= end and arr[end - n] == arr[-1 - n]:
+        while n < cap and n <= end and seq[end - n] == seq[-1 - n]:
             n += 1
         if n > best:
             best, best_end = n, end
@@ -53,7 +54,7 @@ def find_ngram_match(context: list[int], min_n: int, max_n: int,
                 break
     if best < min_n:
         return [], 0
-    return arr[best_end + 1:best_end + 1 + num_tokens].tolist(), best
+    return list(seq[best_end + 1:best_end + 1 + num_tokens]), best
 
 
 class NgramProposer:

@@ -214,6 +214,29 @@ def test_cutting_prompt_lookup_proposals_keeps_outputs_and_counts_the_cut(ngram,
     _assert_no_leak(llm)
 
 
+def test_drafts_cut_beside_a_prompt_chunk_keep_outputs_and_blocks(ngram, prompts, alone):
+    """Before each step that also computes prompt chunks (here the prompts that did not fit
+    the first steps' token budget), the decoding requests' drafts go to
+    `AdaptivePolicy.beside_prompts`: cut to half there (forced), the outputs are the plain
+    ones, the cut drafts are counted, the prompt rows it is told are the scheduler's, and
+    every KV block comes back."""
+    llm = ngram.with_speculative(dataclasses.replace(ngram.config.speculative,
+                                                     policy="adaptive"))
+    core, calls = llm.engine, []
+
+    def half(request_ids, drafts, base_rows, prompt_rows):
+        assert base_rows == len(request_ids) == len(drafts) and prompt_rows > 0
+        assert prompt_rows == core.scheduler.prompt_rows_ahead(base_rows)
+        calls.append(sum(d - d // 2 for d in drafts))
+        return [d // 2 for d in drafts]
+    core.policy.beside_prompts = half
+    outs = llm.generate(prompts, [_greedy(i) for i in range(len(prompts))])
+    assert [o.token_ids for o in outs] == alone
+    assert calls and sum(calls) > 0
+    assert core.stats.num_trimmed_draft_tokens >= sum(calls)
+    _assert_no_leak(llm)
+
+
 def test_shadow_drafts_of_held_requests_resolve_to_what_the_target_emitted(ngram, prompts,
                                                                            alone):
     """Every request held at K = 0 (the policy's choice forced): prompt lookup still
