@@ -1,13 +1,16 @@
 """A/B on the mixed workload (SmolLM2, prompt lookup K <= 8, half HumanEval, half Spec-Bench
-translation) at one C, the bench's balanced 0.1 s turns: plain, plain2 (A/A), static:1,
+translation, 48 tokens) or, with AB_MODEL=tiny-moe, on tiny-moe with its draft (128 tokens) at
+one C, the bench's balanced 0.1 s turns: plain, plain2 (A/A), static:1,
 adaptive, and adaptive variants: z0 (the realized check's point value), noshadow (no shadow
 drafts for held requests), noprompt (drafts not re-priced beside a prompt chunk), mgN (min_gain N%). Per
 repetition: each adaptive engine's count of steps whose drafts were cut beside a prompt chunk;
 x plain, the share of steps with speculation off, steps, realized factors below 0.995; then
 medians and ranges. Run from this folder.
 
-Usage: python ab_z.py C REPS [NUM_REQUESTS=16] [RANGE_RATIO=0] [VARIANTS=z0]"""
+Usage: [AB_MODEL=tiny-moe] python ab_prompt.py C REPS [NUM_REQUESTS=16] [RANGE_RATIO=0]
+[VARIANTS=z0]"""
 import dataclasses
+import os
 import sys
 import numpy as np
 from specmoe.bench.throughput import (ThroughputBenchConfig, build_engines, add_speculative_engines,
@@ -19,10 +22,14 @@ argv = sys.argv[1:] + [None] * 5
 C, reps = int(argv[0]), int(argv[1])
 n, ratio = int(argv[2] or 16), float(argv[3] or 0.0)
 variants = (argv[4] or "z0").split(",")
-cfg = ThroughputBenchConfig(model="smollm2-135m", draft="ngram", policies=["static:1", "adaptive"],
-    num_speculative_tokens=8, concurrency=[C], max_tokens=48, num_requests=n, dtype="bfloat16",
-    aa_control=True, datasets=["humaneval", "spec_bench"], spec_bench_categories=["translation"],
-    max_tokens_range_ratio=ratio)
+TINY = os.environ.get("AB_MODEL") == "tiny-moe"
+workload = (dict(model="tiny-moe", draft="tiny-moe-draft", max_tokens=128) if TINY else
+            dict(model="smollm2-135m", draft="ngram", max_tokens=48,
+                 datasets=["humaneval", "spec_bench"], spec_bench_categories=["translation"]))
+cfg = ThroughputBenchConfig(policies=["static:1", "adaptive"], num_speculative_tokens=8,
+    concurrency=[C], num_requests=n, dtype="bfloat16", aa_control=True,
+    max_tokens_range_ratio=ratio, **workload)
+SPEC = {"method": "draft", "draft_model": "tiny-moe-draft"} if TINY else {"method": "ngram"}
 engines = build_engines(cfg)
 prompts, _ = fitting_prompts(build_prompts(cfg, engines["plain"]), cfg.output_len_range[1],
                              engines["plain"].max_model_len)
@@ -31,12 +38,12 @@ kv = workload_kv_blocks(cfg, prompts, engines["plain"].config.scheduler.block_si
 add_speculative_engines(cfg, engines, kv)
 for v in variants:
     engines[f"adaptive_{v}"] = e = engines["plain"].with_speculative(
-        {"method": "ngram"} | policy_speculative("adaptive", 8, None), kv)
+        SPEC | policy_speculative("adaptive", 8, None), kv)
     if v == "z0":
         e.engine.policy.realized.z = 0.0
     elif v.startswith("mg"):  # min_gain in percent, e.g. mg3
         e.engine.policy.s = dataclasses.replace(e.engine.policy.s, min_gain=int(v[2:]) / 100)
-    elif v == "noprompt":
+    elif v in ("noprompt", "nocut"):
         e.engine._cut_beside_prompts = lambda: None
     elif v == "noshadow":
         e.engine.shadow = None
