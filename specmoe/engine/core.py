@@ -101,7 +101,7 @@ class EngineCore:
         self._draft_probs: dict[str, torch.Tensor | None] = {}
         self.step_observer = NullStepObserver()
         self._failed: list[Request] = []  # this step's requests failed alone (`_fail`)
-        self._prefilling = False  # the last step left a prompt part-computed (the policy's)
+        self._prefilling = False  # a prompt left part-computed (`_cut_beside_prompts`)
 
     def add_request(self, req: Request, generator: torch.Generator) -> None:
         """Queue a request; `generator` drives all of its random draws.

@@ -370,7 +370,7 @@ class AdaptivePolicy:
         self.matches = MatchLengthTrim(settings.max_k, settings.match_trim_explore_every)
         self._match_of: dict[str, int] = {}  # each proposal's match length, until verified
         self._solve_s, self._solves = 0.0, 0  # a solve's mean seconds, and their count
-        self.prompt_cut_steps = 0  # steps whose Ks `_beside_prompts` lowered
+        self.prompt_cut_steps = 0  # steps whose drafts `beside_prompts` cut
         self._since_solve_s = 0.0  # seconds of forwards and drafting since the last solve
         self.clock = time.perf_counter  # times the solves (tests pin it)
 
