@@ -207,6 +207,8 @@ def test_cutting_prompt_lookup_proposals_keeps_outputs_and_counts_the_cut(ngram,
             cut.extend(p - p // 2 for p in proposed)
         return [p // 2 for p in proposed]
     core.policy.matches.cut = half
+    # the cut beside prompt chunks counts with the trimmed drafts: kept out of this count
+    core.policy.beside_prompts = lambda request_ids, drafts, *rows: list(drafts)
     outs = llm.generate(prompts, [_greedy(i) for i in range(len(prompts))])
     assert [o.token_ids for o in outs] == alone
     assert sum(cut) > 0 and core.stats.num_trimmed_draft_tokens == sum(cut)
