@@ -581,9 +581,8 @@ class AdaptivePolicy:
 
         def step_s(rows, misses, var=None):
             return busy(rows, misses, var) + offset
-        realized = self.realized.factor(len(request_ids)) if self.s.realized_check else 1.0
         kept, _ = choose_ks(gains, caps, step_s, 0.0, miss_step=miss,
-                            min_gain=(1 + self.s.min_gain) / realized - 1)
+                            min_gain=self._asked_gain(len(request_ids))[1])
         if (kept != caps).any():
             self._expect = None
             self.prompt_cut_steps += 1
@@ -689,9 +688,9 @@ class AdaptivePolicy:
         step_s, miss = self._step_fn(base_rows), self._miss()
         gains, fills = map(np.stack, zip(*(self.acceptance.slots(r) for r in request_ids)))
         drafting = self._drafting(request_ids, gains, caps_a, pending, remaining)
-        realized = self.realized.factor(len(request_ids)) if self.s.realized_check else 1.0
+        realized, min_gain = self._asked_gain(len(request_ids))
         ks, rate = choose_ks(gains, caps_a, step_s, miss_step=miss, fills=fills,
-                             min_gain=(1 + self.s.min_gain) / realized - 1, **drafting)
+                             min_gain=min_gain, **drafting)
         prev = np.array([min(self._previous.get(r, k), c) for r, k, c
                          in zip(request_ids, ks, caps_a)], dtype=np.int64)
         if (prev != ks).any():
@@ -707,6 +706,13 @@ class AdaptivePolicy:
         self._held = _Held(request_ids, ks.tolist(), self._hold_for(request_ids, ks),
                            expected)
         return ks
+
+    def _asked_gain(self, batch: int) -> tuple[float, float]:
+        """(f, the least relative gain over no speculation a choice at `batch` requests must
+        predict): f the share of its predicted rate speculation realized there (1 without
+        the realized check), the gain (1 + min_gain) / f - 1."""
+        realized = self.realized.factor(batch) if self.s.realized_check else 1.0
+        return realized, (1 + self.s.min_gain) / realized - 1
 
     def _hold_for(self, request_ids: list[str], ks: np.ndarray) -> int:
         """Steps a solve's Ks are held: with speculation off, twice the last hold if that
