@@ -101,7 +101,6 @@ class EngineCore:
         self._draft_probs: dict[str, torch.Tensor | None] = {}
         self.step_observer = NullStepObserver()
         self._failed: list[Request] = []  # this step's requests failed alone (`_fail`)
-        self._prefilling = False  # a prompt left part-computed (`_cut_beside_prompts`)
 
     def add_request(self, req: Request, generator: torch.Generator) -> None:
         """Queue a request; `generator` drives all of its random draws.
@@ -152,8 +151,6 @@ class EngineCore:
         if self.policy is not None:
             self._cut_beside_prompts()
         out = self.scheduler.schedule()
-        if self.policy is not None:
-            self._prefilling = any(not s.num_logits for s in out.scheduled)
         for request_id in out.preempted_request_ids:
             self._drop_drafts(request_id)
         if not out.scheduled:
@@ -332,14 +329,15 @@ class EngineCore:
         """Before scheduling: where the step will also compute prompt chunks (a request
         waiting, or one whose prompt did not fit the last step), let the adaptive policy
         cut the drafts the decoding requests proposed, which it chose for a decode-only
-        step (`AdaptivePolicy.beside_prompts`). Skipped on the usual step, which should not
-        pay for the count."""
+        step (`AdaptivePolicy.beside_prompts`). Skipped where no request holds drafts (a
+        batch held off pays one scan) or no prompt is due, without counting the rows."""
         scheduler = self.scheduler
-        if ((not scheduler.waiting and not self._prefilling)
-                or not any(req.spec_token_ids for req in scheduler.running)):
+        if not any(req.spec_token_ids for req in scheduler.running):
             return
         decoding = [req for req in scheduler.running
                     if req.num_tokens - req.num_computed_tokens == 1]
+        if not scheduler.waiting and len(decoding) == len(scheduler.running):
+            return
         drafts = [len(req.spec_token_ids) for req in decoding]
         prompt_rows = scheduler.prompt_rows_ahead(len(decoding))
         kept = self.policy.beside_prompts([req.request_id for req in decoding], drafts,
