@@ -148,7 +148,7 @@ class EngineCore:
                 the admission checks of `Scheduler.add_request`; guards against a hang).
         """
         self.thread_governor.update()
-        if self.policy is not None:
+        if self.policy is not None and self.policy.lease is None:  # leased: no drafts
             self._cut_beside_prompts()
         out = self.scheduler.schedule()
         for request_id in out.preempted_request_ids:
@@ -329,8 +329,9 @@ class EngineCore:
         """Before scheduling: where the step will also compute prompt chunks (a request
         waiting, or one whose prompt did not fit the last step), let the adaptive policy
         cut the drafts the decoding requests proposed, which it chose for a decode-only
-        step (`AdaptivePolicy.beside_prompts`). Skipped where no request holds drafts (a
-        batch held off pays one scan) or no prompt is due, without counting the rows."""
+        step (`AdaptivePolicy.beside_prompts`). Not called while the policy leases the
+        steps (every request at K = 0); skipped where no request holds drafts or no
+        prompt is due, without counting the rows."""
         scheduler = self.scheduler
         if not any(req.spec_token_ids for req in scheduler.running):
             return
