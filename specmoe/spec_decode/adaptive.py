@@ -112,8 +112,11 @@ second (the choice in `spec_decode.choice`, the time models in `spec_decode.time
   until the solves fit `recheck_budget` of the time since the last (a solve of 64
   requests costs ~4 ms, half a tiny-moe step there). The step-time model is refitted
   only when a solve needs it, and only once an eighth of its window is new. A batch held
-  off costs a dictionary per step: on tiny-moe, whose steps take under a millisecond, the
-  held path's lists and the rechecks cost 3-5% of a step.
+  off is leased its steps (`IdleLease`): the engine skips the policy until a probe, a
+  solve (of requests admitted at K = 0 too) or the hold's end is due. On tiny-moe, whose
+  steps take under a millisecond, the held path's lists and rechecks had cost 3-5% of a
+  step; at four requests, one joining every 32 steps, the steps between an admission
+  and its solve (18% of them) took the unleased path until they were leased too.
 - Prompt lookup fills a slot only where the context has a match: the chance that each
   allowed slot is filled is tracked like acceptance (per request, shrunk towards the
   engine's), and a slot adds that many expected tokens and rows: deep K costs little
@@ -606,8 +609,7 @@ class AdaptivePolicy:
             return False
         if not joined and not held.admitted:
             return True
-        if (not held.idle or len(joined) == len(request_ids)
-                or self._since_solve_s * self.s.recheck_budget >= self._solve_s):
+        if not held.idle or len(joined) == len(request_ids) or self._solves_fit():
             return False
         held.ks.update(dict.fromkeys(joined, 0))
         held.admitted = True
@@ -625,11 +627,11 @@ class AdaptivePolicy:
     def grant_lease(self, request_ids: list[str]) -> None:
         """After a `choose` that held every request in `request_ids` at K = 0: lease the
         steps on which, with the same requests, it would again (`IdleLease`): those before
-        the held choice expires and before a probe is due (by its count of steps and its
-        time budget, `_probe_due`)."""
+        the held choice expires, before a probe is due (by its count of steps and its
+        time budget, `_probe_due`) and, where requests were admitted without a solve,
+        before the solves' budget allows one (`_solves_fit`)."""
         held = self._held
-        if (held is None or not held.idle or self._probed or held.steps >= held.every
-                or held.admitted):  # a solve is due once the budget allows (`_admits`)
+        if held is None or not held.idle or self._probed or held.steps >= held.every:
             return
         self.lease = IdleLease(request_ids, held.every - held.steps)
 
@@ -643,10 +645,17 @@ class AdaptivePolicy:
         if lease is None or not lease.left or request_ids != lease.request_ids:
             return False
         total = lease.seconds + seconds
-        if self._probe_due(lease.steps, total):  # as `choose` would see it on this step
+        if self._probe_due(lease.steps, total) or (  # as `choose` would see it here
+                self._held.admitted and self._solves_fit(total)):
             return False
         lease.left, lease.steps, lease.seconds = lease.left - 1, lease.steps + 1, total
         return True
+
+    def _solves_fit(self, leased_s: float = 0.0) -> bool:
+        """Whether a solve now keeps the solves within `recheck_budget` of the time since
+        the last one (counting a running lease's seconds): then requests joining a batch
+        held off, or admitted to it at K = 0 (`_admits`), are solved for."""
+        return (self._since_solve_s + leased_s) * self.s.recheck_budget >= self._solve_s
 
     def end_lease(self) -> float | None:
         """End the lease, if any, handing over its steps: the counts `choose` and

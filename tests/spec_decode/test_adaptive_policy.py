@@ -389,24 +389,27 @@ def test_a_batch_kept_off_is_rechecked_ever_less_often(monkeypatch):
 def test_a_join_into_a_batch_kept_off_waits_for_the_solves_budget(monkeypatch):
     """Requests joining a batch held at K = 0 are held with it until the solves since the
     last one fit `recheck_budget` of the steps' time (solves of 1 ms at 10%: 10 ms, five
-    2.1 ms steps of two requests); no lease meanwhile, as the solve is due on the step the
-    budget allows. A batch of new requests only is solved for at once (and a speculating
+    2.1 ms steps of two requests), their steps leased until the step the budget allows
+    the solve. A batch of new requests only is solved for at once (and a speculating
     one: `test_a_speculating_batch_is_re_solved_every_few_steps`)."""
     p = AdaptivePolicy(AdaptiveSettings(max_k=4, recheck_every=64, recheck_every_max=64,
                                         probe_every=1000, recheck_budget=0.1))
     p.clock = itertools.count(step=0.001).__next__  # every solve takes 1 ms
     _calibrated(p, 0.0, 0.001)  # compute-bound: held at zero
     assert _solved_at(monkeypatch, p, ["a"], 1, {"a": 0}) == [1]
-    solved = []
+    solved, leased = [], []
     for step in range(1, 9):
+        if p.leased_step(["a", "b"], 0.0021):
+            leased.append(step)
+            continue
+        p.end_lease()
         p.observe_step(2, 0.0021)
         before = p._solves
         assert p.choose(["a", "b"], [4, 4], 2) == {"a": 0, "b": 0}
         if p._solves > before:
             solved.append(step)
         p.grant_lease(["a", "b"])
-        assert (p.lease is None) == (not solved)
-    assert solved == [5]
+    assert solved == [5] and leased == [2, 3, 4, 6, 7, 8]
     assert _solved_at(monkeypatch, p, ["c"], 1, {"c": 0}) == [1]  # none goes on
 
 
