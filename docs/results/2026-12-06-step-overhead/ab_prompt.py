@@ -2,7 +2,8 @@
 translation, 48 tokens) or, with AB_MODEL=tiny-moe, on tiny-moe with its draft (128 tokens) at
 one C, the bench's balanced 0.1 s turns: plain, plain2 (A/A), static:1,
 adaptive, and adaptive variants: z0 (the realized check's point value), noshadow (no shadow
-drafts for held requests), noprompt (drafts not re-priced beside a prompt chunk), mgN (min_gain N%). Per
+drafts for held requests), noprompt (drafts not re-priced beside a prompt chunk), mgN (min_gain N%),
+flatprobe (the probes' share of the time not halved while they find nothing, c36fb76). Per
 repetition: each adaptive engine's count of steps whose drafts were cut beside a prompt chunk;
 x plain, the share of steps with speculation off, steps, realized factors below 0.995; then
 medians and ranges. Run from this folder.
@@ -45,6 +46,8 @@ for v in variants:
         e.engine.policy.s = dataclasses.replace(e.engine.policy.s, min_gain=int(v[2:]) / 100)
     elif v in ("noprompt", "nocut"):
         e.engine._cut_beside_prompts = lambda: None
+    elif v == "flatprobe":  # the probes' share of the time kept at probe_budget (1%)
+        e.engine.policy.s = dataclasses.replace(e.engine.policy.s, probe_budget_min=0.01)
     elif v == "noshadow":
         e.engine.shadow = None
     else:
