@@ -88,10 +88,7 @@ second (the choice in `spec_decode.choice`, the time models in `spec_decode.time
   a slowdown (arXiv 2506.20675): on a carved Qwen2.5-Coder MoE with the 0.5B draft,
   probes of 32-token requests at one request cost 12% of the run; on tiny-moe at 16
   requests, with the drafting alone counted, probes at K = 8 cost 2.5%, their
-  verification three times their drafting. Each probe after which the batch stays off
-  halves that share too, down to `probe_budget_min` (0.25%): where speculation never
-  pays, as on tiny-moe at one request, whose probes cost their whole 1% of ~0.6 ms
-  steps, the probes cost a quarter of that.
+  verification three times their drafting.
 - Shadow drafts (`shadow_every`, `spec_decode.shadow`; prompt lookup only): a request held
   at K = 0 is still proposed for every `shadow_every` tokens, and the proposal, never
   verified, is scored against the tokens the request then emits (a one-hot draft is
@@ -216,7 +213,6 @@ class AdaptiveSettings:
     probe_catch_up_rows: int = 128  # catch-up tokens one probe may run through the draft
     probe_drafts: int = 16  # draft slots one probe may add to the target's step
     probe_budget: float = 0.01  # the share of the time probes may take
-    probe_budget_min: float = 0.0025  # the share once probes keep finding nothing
     num_experts: int = 0  # a MoE target's routed experts N and top-k (0: dense)
     top_k: int = 0
     overlap_prior: float = 0.4  # adjacent-token overlap until one is measured
@@ -358,7 +354,6 @@ class AdaptivePolicy:
         self._previous: dict[str, int] = {}
         self._since_probe = 0  # steps with a request held at K = 0 since the last probe
         self.probe_interval = settings.probe_every  # grows while probes find nothing
-        self.probe_share = settings.probe_budget  # shrinks while they find nothing
         self._probed = False  # the previous step probed
         self._probe_counts: dict[str, int] = {}  # probes each running request was in
         self._probe_cost_s = 0.0  # the last probe's drafting and verification seconds
@@ -673,16 +668,12 @@ class AdaptivePolicy:
         return self._timed(rows, lease.seconds / lease.steps, [1] * rows)
 
     def _back_off(self, speculating: bool) -> None:
-        """Double the probe interval and halve the probes' share of the time (down to
-        `probe_budget_min`) when the solve after a probe keeps every request at K = 0;
-        back to `probe_every` and `probe_budget` once speculation pays."""
+        """Double the probe interval when the solve after a probe keeps every request at
+        K = 0; back to `probe_every` once speculation pays."""
         if speculating:
             self.probe_interval = self.s.probe_every
-            self.probe_share = self.s.probe_budget
         elif self._probed:
             self.probe_interval = min(2 * self.probe_interval, self.s.probe_every_max)
-            self.probe_share = max(self.probe_share / 2,
-                                   min(self.s.probe_budget, self.s.probe_budget_min))
         self._probed = False
 
     def _keep(self, request_ids: list[str], ks: list[int], caps: list[int],
@@ -817,7 +808,7 @@ class AdaptivePolicy:
     def _probe(self, request_ids: list[str], ks: list[int], caps: list[int],
                pending: Pending = None) -> list[int]:
         """Every `probe_interval` steps with a request held at K = 0, once the time since
-        the last probe is 1 / `probe_share` times that probe's cost, they draft their
+        the last probe is 1 / `probe_budget` times that probe's cost, they draft their
         cap (at most K_max): those of least catch-up within `probe_catch_up_rows` where
         `pending` gives the catch-ups (none where each exceeds it), then those probed
         least often while their drafts fit `probe_drafts` (at least one)."""
@@ -849,10 +840,11 @@ class AdaptivePolicy:
 
     def _probe_due(self, leased_steps: int = 0, leased_s: float = 0.0) -> bool:
         """This step's held requests probe (module docstring): `probe_interval` steps
-        with one held, and the time since the last probe 1 / `probe_share` times its
+        with one held, and the time since the last probe 1 / `probe_budget` times its
         cost (counting a running lease's steps and seconds, not yet handed over)."""
         return (self._since_probe + leased_steps + 1 >= self.probe_interval
-                and (self._elapsed_s + leased_s) * self.probe_share >= self._probe_cost_s)
+                and (self._elapsed_s + leased_s) * self.s.probe_budget
+                >= self._probe_cost_s)
 
     def forget(self, request_id: str) -> None:
         self.acceptance.forget(request_id)

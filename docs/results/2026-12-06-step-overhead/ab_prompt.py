@@ -1,14 +1,15 @@
 """A/B on the mixed workload (SmolLM2, prompt lookup K <= 8, half HumanEval, half Spec-Bench
-translation, 48 tokens) or, with AB_MODEL=tiny-moe, on tiny-moe with its draft (128 tokens) at
-one C, the bench's balanced 0.1 s turns: plain, plain2 (A/A), static:1,
+translation, 48 tokens) or, with AB_MODEL=tiny-moe, on tiny-moe with its draft (128 tokens), or
+with AB_MODEL=qwen, on the Qwen2.5-Coder pair (bf16 1.5B, int4 0.5B draft, K <= 4, 32 tokens;
+static:2 for static:1) at one C, the bench's balanced 0.1 s turns: plain, plain2 (A/A), static:1,
 adaptive, and adaptive variants: z0 (the realized check's point value), noshadow (no shadow
-drafts for held requests), noprompt (drafts not re-priced beside a prompt chunk), mgN (min_gain N%),
-flatprobe (the probes' share of the time not halved while they find nothing, c36fb76). Per
+drafts for held requests), noprompt (drafts not re-priced beside a prompt chunk), mgN (min_gain N%)
+(at 3edbe14 also flatprobe: the probes' share of the time not halved, reverted). Per
 repetition: each adaptive engine's count of steps whose drafts were cut beside a prompt chunk;
 x plain, the share of steps with speculation off, steps, realized factors below 0.995; then
 medians and ranges. Run from this folder.
 
-Usage: [AB_MODEL=tiny-moe] python ab_prompt.py C REPS [NUM_REQUESTS=16] [RANGE_RATIO=0]
+Usage: [AB_MODEL=tiny-moe|qwen] python ab_prompt.py C REPS [NUM_REQUESTS=16] [RANGE_RATIO=0]
 [VARIANTS=z0]"""
 import dataclasses
 import os
@@ -24,13 +25,19 @@ C, reps = int(argv[0]), int(argv[1])
 n, ratio = int(argv[2] or 16), float(argv[3] or 0.0)
 variants = (argv[4] or "z0").split(",")
 TINY = os.environ.get("AB_MODEL") == "tiny-moe"
+QWEN = os.environ.get("AB_MODEL") == "qwen"
+K, STATIC = (4, "static:2") if QWEN else (8, "static:1")
 workload = (dict(model="tiny-moe", draft="tiny-moe-draft", max_tokens=128) if TINY else
+            dict(model="qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b",
+                 draft_quantization="int4", max_tokens=32) if QWEN else
             dict(model="smollm2-135m", draft="ngram", max_tokens=48,
                  datasets=["humaneval", "spec_bench"], spec_bench_categories=["translation"]))
-cfg = ThroughputBenchConfig(policies=["static:1", "adaptive"], num_speculative_tokens=8,
+cfg = ThroughputBenchConfig(policies=[STATIC, "adaptive"], num_speculative_tokens=K,
     concurrency=[C], num_requests=n, dtype="bfloat16", aa_control=True,
     max_tokens_range_ratio=ratio, **workload)
-SPEC = {"method": "draft", "draft_model": "tiny-moe-draft"} if TINY else {"method": "ngram"}
+SPEC = ({"method": "draft", "draft_model": "tiny-moe-draft"} if TINY else
+        {"method": "draft", "draft_model": workload["draft"], "draft_quantization": "int4"}
+        if QWEN else {"method": "ngram"})
 engines = build_engines(cfg)
 prompts, _ = fitting_prompts(build_prompts(cfg, engines["plain"]), cfg.output_len_range[1],
                              engines["plain"].max_model_len)
@@ -39,15 +46,13 @@ kv = workload_kv_blocks(cfg, prompts, engines["plain"].config.scheduler.block_si
 add_speculative_engines(cfg, engines, kv)
 for v in variants:
     engines[f"adaptive_{v}"] = e = engines["plain"].with_speculative(
-        SPEC | policy_speculative("adaptive", 8, None), kv)
+        SPEC | policy_speculative("adaptive", K, None), kv)
     if v == "z0":
         e.engine.policy.realized.z = 0.0
     elif v.startswith("mg"):  # min_gain in percent, e.g. mg3
         e.engine.policy.s = dataclasses.replace(e.engine.policy.s, min_gain=int(v[2:]) / 100)
     elif v in ("noprompt", "nocut"):
         e.engine._cut_beside_prompts = lambda: None
-    elif v == "flatprobe":  # the probes' share of the time kept at probe_budget (1%)
-        e.engine.policy.s = dataclasses.replace(e.engine.policy.s, probe_budget_min=0.01)
     elif v == "noshadow":
         e.engine.shadow = None
     else:
