@@ -110,10 +110,10 @@ second (the choice in `spec_decode.choice`, the time models in `spec_decode.time
   requests costs ~4 ms, half a tiny-moe step there). The step-time model is refitted
   only when a solve needs it, and only once an eighth of its window is new. A batch held
   off is leased its steps (`IdleLease`): the engine skips the policy until a probe, a
-  solve (of requests admitted at K = 0 too) or the hold's end is due. On tiny-moe, whose
-  steps take under a millisecond, the held path's lists and rechecks had cost 3-5% of a
-  step; at four requests, one joining every 32 steps, the steps between an admission
-  and its solve (18% of them) took the unleased path until they were leased too.
+  solve (of requests admitted at K = 0 too) or the hold's end is due: on tiny-moe, whose
+  steps take under a millisecond, the held path's lists and rechecks cost 3-5% of a
+  step, and at four requests, one joining every 32 steps, the steps between an admission
+  and its solve are 18% of the run.
 - Prompt lookup fills a slot only where the context has a match: the chance that each
   allowed slot is filled is tracked like acceptance (per request, shrunk towards the
   engine's), and a slot adds that many expected tokens and rows: deep K costs little
