@@ -183,8 +183,9 @@ class IdleLease:
     __slots__ = ("request_ids", "left", "steps", "seconds")
 
     def __init__(self, request_ids: list[str], steps: int) -> None:
-        """`steps`: those before the held choice expires (a probe coming due ends the
-        lease earlier, `AdaptivePolicy.leased_step`)."""
+        """`steps`: those before the held choice expires (a probe coming due, or the
+        solve of requests admitted at K = 0, ends the lease earlier,
+        `AdaptivePolicy.leased_step`)."""
         self.request_ids, self.left, self.steps, self.seconds = request_ids, steps, 0, 0.0
 
 
