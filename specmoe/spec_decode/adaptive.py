@@ -98,12 +98,7 @@ second (the choice in `spec_decode.choice`, the time models in `spec_decode.time
   `recheck_budget` of its steps' time (at least every `shadow_every` steps) instead of
   the doubling recheck below, which is for batches nothing informs.
 - Held choices: a solve's Ks stay for the same batch (probes aside) without re-solving
-  until a probe's results are in, a request joins, one leaves a speculating batch and the
-  solves fit `recheck_budget` of the time since the last (the Ks were priced for the
-  batch they were solved for: SmolLM2's second row costs a third of its one-row step, so
-  a draft cheap at two requests doubles the cost of the last one's step; held on through
-  the drain of a finite run, such drafts cost 1% of the run at eight requests), or
-  `resolve_every` steps have passed
+  until a probe's results are in, a request joins or `resolve_every` steps have passed
   (`recheck_every` while every request is at K = 0: nothing informs the choice while no
   request drafts): a solve and the refit it asks for cost ~0.3 ms, 3% of a SmolLM2 step,
   and the estimates they read move little from one step to the next. A solve that
@@ -160,12 +155,11 @@ class _Held:
     joined unless admitted while the batch is off, no probe between) until `every` steps
     have passed."""
 
-    __slots__ = ("ks", "every", "steps", "idle", "expected", "admitted", "size")
+    __slots__ = ("ks", "every", "steps", "idle", "expected", "admitted")
 
     def __init__(self, batch: list[str], ks: list[int], every: int,
                  expected: tuple[float, float] | None = None) -> None:
         self.ks, self.every, self.steps = dict(zip(batch, ks)), every, 1
-        self.size = len(batch)  # the batch's requests at the solve
         self.idle = not any(ks)  # speculation off for the whole batch
         self.expected = expected  # a speculating step's predicted (tokens, seconds)
         self.admitted = False  # requests joined at K = 0 without a solve (`_admits`)
@@ -230,7 +224,7 @@ class AdaptiveSettings:
     match_trim: bool = True  # cut prompt-lookup proposals by their match length
     match_trim_explore_every: int = 16  # every this many-th proposal of a length uncut
     shadow_every: int = 0  # tokens between a held request's shadow drafts (0: none)
-    recheck_budget: float = 0.01  # the share of the time unscheduled solves may take (`_admits`)
+    recheck_budget: float = 0.01  # the share of an idle batch's time its solves may take
 
     @property
     def is_moe(self) -> bool:
@@ -599,20 +593,18 @@ class AdaptivePolicy:
         return kept.tolist()
 
     def _admits(self, held: _Held, request_ids: list[str]) -> bool:
-        """Whether `held` gives this step's Ks without a solve: it has not expired, no
-        request joined and, where it speculates, none left or the solves since the last
-        one would exceed `recheck_budget` of the time since (module docstring, held
-        choices); or the batch is held off, some of its requests go on, and the solves
-        would exceed that budget: the requests that joined are then held at K = 0 with the
-        rest (probes still take them) until the budget allows a solve. A solve of 64
-        requests with a draft model's catch-ups priced costs ~4 ms, a tiny-moe step at 64
-        requests ~7 ms: solving at each of the prefill chunks that bring requests in cost
-        3% of a run held off."""
+        """Whether `held` gives this step's Ks without a solve: it has not expired and no
+        request joined; or the batch is held off, some of its requests go on, and the
+        solves since the last one would exceed `recheck_budget` of the time since: the
+        requests that joined are then held at K = 0 with the rest (probes still take
+        them) until the budget allows a solve. A solve of 64 requests with a draft model's
+        catch-ups priced costs ~4 ms, a tiny-moe step at 64 requests ~7 ms: solving at
+        each of the prefill chunks that bring requests in cost 3% of a run held off."""
         joined = held.joined(request_ids)
         if joined is None:
             return False
         if not joined and not held.admitted:
-            return held.idle or len(request_ids) >= held.size or not self._solves_fit()
+            return True
         if not held.idle or len(joined) == len(request_ids) or self._solves_fit():
             return False
         held.ks.update(dict.fromkeys(joined, 0))
@@ -658,8 +650,7 @@ class AdaptivePolicy:
     def _solves_fit(self, leased_s: float = 0.0) -> bool:
         """Whether a solve now keeps the solves within `recheck_budget` of the time since
         the last one (counting a running lease's seconds): then requests joining a batch
-        held off, or admitted to it at K = 0, and a speculating batch some of whose
-        requests left (`_admits`), are solved for."""
+        held off, or admitted to it at K = 0 (`_admits`), are solved for."""
         return (self._since_solve_s + leased_s) * self.s.recheck_budget >= self._solve_s
 
     def end_lease(self) -> float | None:

@@ -430,29 +430,6 @@ def test_a_speculating_batch_is_re_solved_every_few_steps(monkeypatch):
     assert p.choose(["b"], [4], 1) == {"b": 4} and len(solves) == 3  # a left: held
 
 
-def test_a_request_leaving_a_speculating_batch_is_re_solved_within_the_solves_budget():
-    """Ks solved for two requests are re-solved once one leaves and the solves fit
-    `recheck_budget` of the time since the last: where a second row costs as much as the
-    first (SmolLM2's step from one row to two, made stark), half-accepted drafts pay at two
-    requests, where the rows come cheap, and not for the one left. Until the budget allows
-    the solve the held K goes on."""
-    p = AdaptivePolicy(AdaptiveSettings(max_k=4, resolve_every=64, resolve_every_max=64,
-                                        probe_every=1000, recheck_budget=0.05))
-    p.clock = itertools.count(step=0.001).__next__  # every solve takes 1 ms
-    for rows in [1, 2, 3, 4, 6, 8, 12, 16]:  # 5 ms at one row, 10 ms from two to 16
-        p.observe_step(rows, 0.005 if rows == 1 else 0.010)
-    for r in "ab":
-        for accepted in [0, 1] * 10:  # the first draft accepted half the time, no later one
-            p.observe_verified(r, 4, accepted)
-    held = p.choose(["a", "b"], [4, 4], 2)
-    assert held["a"] == held["b"] > 0
-    chosen = []
-    for _ in range(3):
-        p.observe_step(2, 0.010)  # 0.5 ms of solves allowed a step
-        chosen.append(p.choose(["b"], [4], 1)["b"])
-    assert chosen == [held["b"], 0, 0]  # re-solved once 1 ms of solves fit
-
-
 def test_drafts_beside_a_prompt_chunk_are_priced_at_its_margin():
     """Drafts proposed for a decode-only step, then scheduled beside a prompt chunk, are
     priced at what a row adds to that compute-bound step against a plain decode step's
