@@ -240,7 +240,9 @@ class AdaptiveSettings:
 class AcceptanceTracker:
     """Draft acceptance per position, engine-wide and per request, and how often the
     proposer fills each allowed draft slot (prompt lookup proposes only what follows a
-    match; a draft model fills every slot)."""
+    match; a draft model fills every slot). `request_effect`: a request's deeper positions
+    shrunk towards the engine's rates scaled by its first position's shortfall (module
+    docstring); off, towards the engine's rates."""
 
     def __init__(self, max_k: int, prior_strength: float, optimism: float = 0.0,
                  request_effect: bool = False) -> None:
