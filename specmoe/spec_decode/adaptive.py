@@ -11,12 +11,7 @@ second (the choice in `spec_decode.choice`, the time models in `spec_decode.time
   drafts are in the mean, so a position never reached keeps the uniform prior's 1/2):
   while few drafts have been verified, a poor start (the first drafts of a warm-up
   rejected) does not switch speculation off for good, since once off only probes bring
-  data; over many drafts the bound meets the mean. A request's deeper positions are
-  reached only after its first drafts are accepted, so where its first position reads
-  below the engine's, their prior is scaled by the same factor (`request_effect`, a
-  request-level effect as in a hierarchical model): on SmolLM2 with prompt lookup, the
-  translation requests left in a run's drain kept the code requests' 0.8-0.9 at positions
-  1-3 and drafted 5 tokens a step for 0.3 accepted. The j-th draft adds prod_{i<=j} a_i
+  data; over many drafts the bound meets the mean. The j-th draft adds prod_{i<=j} a_i
   expected tokens, so K drafts give 1 + sum_{j<K} prod_{i<=j} a_i (Leviathan et al. 2023,
   arXiv 2211.17192, eq. 1, with position-dependent rates).
 - Step time: the target forward's seconds as an increasing piecewise-linear function of its
@@ -203,7 +198,6 @@ class AdaptiveSettings:
     max_k: int
     prior_strength: float = 4.0
     acceptance_optimism: float = 1.0  # standard errors above the engine-wide rate
-    request_effect: bool = True  # deeper positions' prior scaled by the first's shortfall
     hysteresis: float = 0.03
     min_gain: float = 0.05
     probe_every: int = 16
@@ -240,14 +234,10 @@ class AdaptiveSettings:
 class AcceptanceTracker:
     """Draft acceptance per position, engine-wide and per request, and how often the
     proposer fills each allowed draft slot (prompt lookup proposes only what follows a
-    match; a draft model fills every slot). `request_effect`: a request's deeper positions
-    shrunk towards the engine's rates scaled by its first position's shortfall (module
-    docstring); off, towards the engine's rates."""
+    match; a draft model fills every slot)."""
 
-    def __init__(self, max_k: int, prior_strength: float, optimism: float = 0.0,
-                 request_effect: bool = False) -> None:
+    def __init__(self, max_k: int, prior_strength: float, optimism: float = 0.0) -> None:
         self.max_k, self.prior_strength, self.optimism = max_k, prior_strength, optimism
-        self.request_effect = request_effect
         self.engine = np.zeros((2, max_k))  # [reached, accepted] per position
         self.engine_fill = np.zeros((2, max_k))  # [allowed, filled] per slot
         self._requests: dict[str, np.ndarray] = {}
@@ -286,15 +276,7 @@ class AcceptanceTracker:
         if self.optimism:  # the data's standard error, weighted as the data are in the mean
             prior = np.minimum(1.0, prior + self.optimism * np.sqrt(
                 prior * (1 - prior) * reached) / (reached + 2))
-        own = self._requests.get(request_id)
-        rates = self._shrunk(own, prior)
-        if self.request_effect and own is not None and rates[0] < prior[0]:
-            # a request whose first drafts fare worse than the engine's: its deeper
-            # positions' prior scaled by the same factor (`request_effect`)
-            scaled = prior * (rates[0] / prior[0])
-            scaled[0] = prior[0]
-            rates = self._shrunk(own, scaled)
-        return rates
+        return self._shrunk(self._requests.get(request_id), prior)
 
     def fills(self, request_id: str) -> np.ndarray:
         """[max_k] estimated chance that each allowed slot is filled (1 until proposals
@@ -361,8 +343,7 @@ class AdaptivePolicy:
     def __init__(self, settings: AdaptiveSettings) -> None:
         self.s = settings
         self.acceptance = AcceptanceTracker(settings.max_k, settings.prior_strength,
-                                            settings.acceptance_optimism,
-                                            settings.request_effect)
+                                            settings.acceptance_optimism)
         self.step_time = StepTimeModel(settings.window, settings.min_fit_steps,
                                        settings.is_moe)
         self.overlap = settings.overlap_prior

@@ -132,28 +132,6 @@ def test_acceptance_starts_at_the_engine_rate_and_moves_to_the_request():
     assert t.rates("bad")[0] == pytest.approx(t.rates("new")[0])
 
 
-def test_a_request_whose_first_drafts_fare_worse_expects_less_of_its_deeper_ones():
-    """With the request effect, the deeper positions' prior of a request whose first
-    position reads below the engine's is scaled by that shortfall; a request at or above
-    the engine's rate keeps the engine-wide prior."""
-    scaled = AcceptanceTracker(max_k=4, prior_strength=4.0, request_effect=True)
-    flat = AcceptanceTracker(max_k=4, prior_strength=4.0)
-    for t in (scaled, flat):
-        for _ in range(50):
-            t.observe("good", 4, 4)
-        for i in range(20):
-            t.observe("poor", 4, int(i % 4 == 0))  # the first draft accepted 1 in 4
-    prior = flat.rates("new")
-    assert scaled.rates("new") == pytest.approx(prior)
-    poor = scaled.rates("poor")
-    assert poor[0] == pytest.approx(flat.rates("poor")[0])
-    ratio = poor[0] / prior[0]
-    assert 0.3 < ratio < 0.5
-    assert poor[2:] == pytest.approx(prior[2:] * ratio)  # never reached: the scaled prior
-    assert poor[1] < flat.rates("poor")[1]
-    assert scaled.rates("good") == pytest.approx(flat.rates("good"))
-
-
 def test_the_engine_rate_is_optimistic_while_few_drafts_were_seen():
     """An upper confidence bound: two rejected first drafts leave room to try again, forty
     rejections of fifty do not."""
