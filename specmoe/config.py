@@ -60,6 +60,7 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
+        _check_sizes(self, ("num_experts", "top_k", "moe_intermediate_size"))
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"invalid MoE top_k={self.top_k}: must be in [1, num_experts="
                              f"{self.num_experts}]")
@@ -109,10 +110,8 @@ class MLAConfig:
     rope_interleave: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"invalid MLA {name}={value!r}: must be an int >= 1")
+        _check_sizes(self, ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                            "v_head_dim"))
         if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int)
                                              or self.q_lora_rank < 1):
             raise ValueError(f"invalid MLA q_lora_rank={self.q_lora_rank!r}: must be None or "
@@ -172,6 +171,10 @@ class ArchConfig:
     eos_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        _check_sizes(self, ("vocab_size", "hidden_size", "intermediate_size",
+                            "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                            "head_dim", "max_position_embeddings"))
+        _check_positive_finite(self, ("rms_norm_eps", "rope_theta"))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple "
                              f"of num_key_value_heads={self.num_key_value_heads}")
@@ -214,6 +217,42 @@ class ArchConfig:
     def gated_mlp_params(self, intermediate_size: int) -> int:
         """Weights of a gated MLP (gate, up and down projections) of that hidden width."""
         return 3 * self.hidden_size * intermediate_size
+
+    @property
+    def num_params(self) -> int:
+        """Weights of the whole model: embedding, LM head unless tied, and every layer's
+        attention and dense MLP or MoE block (routed experts, shared expert, router); norms
+        and biases left out."""
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        moe_layers = set(self.moe.moe_layers) if self.moe is not None else set()
+        dense = self.gated_mlp_params(self.intermediate_size)
+        return embed + sum(self.attention_params + (self._moe_params(self.moe)
+                                                    if i in moe_layers else dense)
+                           for i in range(self.num_hidden_layers))
+
+    def _moe_params(self, m: MoEConfig) -> int:
+        return (m.num_experts * (self.gated_mlp_params(m.moe_intermediate_size)
+                                 + self.hidden_size)
+                + self.gated_mlp_params(m.shared_expert_intermediate_size))
+
+
+def _check_sizes(obj, names: tuple[str, ...]) -> None:
+    """Raise ValueError naming the first of `obj`'s attributes `names` that is not an int
+    >= 1 (a bool, a float or a string from a malformed config.json included)."""
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"invalid {name}={value!r}: must be an int >= 1")
+
+
+def _check_positive_finite(obj, names: tuple[str, ...]) -> None:
+    """Raise ValueError naming the first of `obj`'s attributes `names` that is not a finite
+    number > 0 (NaN and infinity included)."""
+    for name in names:
+        value = getattr(obj, name)
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not 0 < value < float("inf")):
+            raise ValueError(f"invalid {name}={value!r}: must be a finite number > 0")
 
 
 @dataclass

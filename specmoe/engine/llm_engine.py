@@ -19,7 +19,7 @@ from specmoe.engine.output_processor import OutputProcessor
 from specmoe.engine.validation import RequestValidator
 from specmoe.layers.moe.placement import CONTIGUOUS, read_placement
 from specmoe.layers.quantization import speculation_caveat
-from specmoe.loader.model_loader import load_model, resolve_dtype
+from specmoe.loader.model_loader import TokenizerMissing, load_model, resolve_dtype
 from specmoe.outputs import RequestOutput
 from specmoe.request import Request
 from specmoe.sampling_params import SamplingParams
@@ -327,9 +327,11 @@ def _as_prompt_list(prompts) -> list[PromptType]:
 
 
 def _try_tokenizer(loaded):
+    """The target's tokenizer, None when it has none (a tokenizer that fails to load
+    raises)."""
     try:
         return loaded.load_tokenizer()
-    except ValueError:
+    except TokenizerMissing:
         return None
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 
 def read_hf_config(model_dir: Path) -> dict:
@@ -15,12 +16,20 @@ def read_hf_config(model_dir: Path) -> dict:
 
     Raises:
         FileNotFoundError: when config.json is missing.
+        ValueError: naming the file, when it is not a JSON object.
     """
     path = model_dir / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{model_dir} is not a HuggingFace model directory: "
                                 "no config.json")
-    return json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds a JSON {type(config).__name__}, not an object of "
+                         "model settings")
+    return config
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -36,9 +45,46 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def check_safetensors(model_dir: Path) -> list[Path]:
+    """The directory's shards, each opened once so that a damaged one fails before anything
+    is allocated (the library checks the header and that the file holds every tensor it
+    lists).
+
+    Raises:
+        FileNotFoundError: no shards (`safetensors_files`).
+        ValueError: naming the shard whose header or length is wrong.
+    """
+    files = safetensors_files(model_dir)
+    for file in files:
+        with _opened(file):
+            pass
+    return files
+
+
 def iter_safetensors(model_dir: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of every shard as (checkpoint name, tensor in `dtype` on CPU)."""
-    for file in safetensors_files(model_dir):
-        with safe_open(str(file), framework="pt") as f:
+    """Every tensor of every shard as (checkpoint name, tensor in `dtype` on CPU).
+
+    The shards are checked here, before the first tensor is asked for.
+
+    Raises:
+        FileNotFoundError, ValueError: as `check_safetensors`.
+    """
+    return _tensors(check_safetensors(model_dir), dtype)
+
+
+def _tensors(files: list[Path], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        with _opened(file) as f:
             for name in f.keys():
                 yield name, f.get_tensor(name).to(dtype)
+
+
+@contextlib.contextmanager
+def _opened(file: Path):
+    """`safe_open(file)`, its errors raised as ValueError naming the file."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            yield f
+    except SafetensorError as exc:
+        raise ValueError(f"{file} is not a readable safetensors file ({exc}); it may be "
+                         "truncated or damaged") from None

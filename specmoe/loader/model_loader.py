@@ -21,7 +21,7 @@ from specmoe.loader.hf_dir import iter_safetensors, read_hf_config
 from specmoe.loader.weights import load_weights
 from specmoe.models.decoder import DecoderModel
 from specmoe.models.registry import family_for
-from specmoe.utils import hugepages
+from specmoe.utils import hugepages, memory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,9 +48,17 @@ class LoadedModel:
         """The model's tokenizer (transformers), from tokenizer files or GGUF metadata.
 
         Raises:
-            ValueError: when the model directory has no tokenizer files.
+            TokenizerMissing, ValueError: as `load_tokenizer`.
         """
         return load_tokenizer(self.path)
+
+
+class TokenizerMissing(ValueError):
+    """The model carries no tokenizer (a directory without tokenizer files, a GGUF file
+    whose metadata transformers cannot build one from): prompts must be token ids."""
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def load_tokenizer(path: Path):
@@ -58,16 +66,24 @@ def load_tokenizer(path: Path):
     directory's tokenizer files.
 
     Raises:
-        ValueError: when the model directory has no tokenizer files.
+        TokenizerMissing: the model has no tokenizer (see the class).
+        ValueError: the directory has tokenizer files that do not load (a corrupt
+            tokenizer.json), naming the directory and the library's error.
     """
     from transformers import AutoTokenizer
     if path.is_file():
         from specmoe.loader.gguf_file import load_gguf_tokenizer
-        return load_gguf_tokenizer(path)
+        try:
+            return load_gguf_tokenizer(path)
+        except ValueError as exc:
+            raise TokenizerMissing(str(exc)) from exc
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise TokenizerMissing(f"no tokenizer files in {path} (one of {TOKENIZER_FILES})")
     try:
         return AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError, TypeError) as exc:
-        raise ValueError(f"no usable tokenizer in {path}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - transformers raises many types for bad files
+        raise ValueError(f"the tokenizer files in {path} do not load: "
+                         f"{type(exc).__name__}: {exc}") from None
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -106,10 +122,10 @@ def load_model(config: ModelConfig, on_weights=None) -> LoadedModel:
     """
     path = resolve_model_path(config.model)
     hf_config, tensors = open_checkpoint(path, DTYPES[config.dtype])
-    family = family_for(hf_config)
-    arch = family.parse_config(hf_config)
+    family, arch = parse_arch(path, hf_config)
     max_len = _max_model_len(config, arch)
     device, dtype = resolve_device(config.device), DTYPES[config.dtype]
+    check_weights_fit(path, arch, dtype, device)
     with default_dtype(dtype), device:
         model = DecoderModel(arch, max_len)
     load_weights(model, _to_device(tensors, device), family.WEIGHT_RULES,
@@ -120,6 +136,36 @@ def load_model(config: ModelConfig, on_weights=None) -> LoadedModel:
         quantize_model(model, config.quantization)
     prepare_for_inference(model, device, dtype, config.moe_backend)
     return LoadedModel(model, arch, path, device, dtype, max_len)
+
+
+def parse_arch(path: Path, hf_config: dict):
+    """(family, ArchConfig) of the checkpoint at `path`.
+
+    Raises:
+        ValueError: an unsupported architecture, or a setting that is missing or out of
+            range (a size that is not an int >= 1, an epsilon that is NaN, ...), naming
+            `path`.
+    """
+    try:
+        family = family_for(hf_config)
+        return family, family.parse_config(hf_config)
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
+def check_weights_fit(path: Path, arch: ArchConfig, dtype: torch.dtype,
+                      device: torch.device) -> None:
+    """Raise ValueError when the model's weights in `dtype` (`ArchConfig.num_params`) would
+    not fit in the memory `device` has free (host memory on the CPU), before any is
+    allocated."""
+    need = arch.num_params * dtype.itemsize
+    available = None
+    if device.type == "cuda":
+        available = torch.cuda.mem_get_info(device)[0]
+    elif device.type != "cpu":
+        return
+    memory.check_fits(need, f"the weights of {path} ({arch.num_params:.3g} parameters in "
+                            f"{str(dtype).removeprefix('torch.')})", available)
 
 
 def prepare_for_inference(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,

@@ -241,3 +241,87 @@ def test_qwen2_moe_without_qkv_bias_loads(tmp_path):
                                       shared_expert_intermediate_size=16, qkv_bias=False)
     loaded = _load(_save(cfg, tmp_path / "qwen2moe"))
     assert loaded.model.layers[0].attn.qkv_proj.bias is None
+
+
+def _rewrite_header_length(model_dir: Path, length: int) -> None:
+    path = model_dir / WEIGHTS
+    data = path.read_bytes()
+    path.write_bytes(length.to_bytes(8, "little") + data[8:])
+
+
+@pytest.mark.parametrize("damage", [
+    lambda d: (d / WEIGHTS).write_bytes((d / WEIGHTS).read_bytes()[:1000]),  # truncated
+    lambda d: (d / WEIGHTS).write_bytes((d / WEIGHTS).read_bytes()[:-100]),  # last bytes cut
+    lambda d: _rewrite_header_length(d, 3),  # header length too small
+    lambda d: _rewrite_header_length(d, 10 ** 12),  # too large
+], ids=["truncated", "tail-cut", "header-small", "header-large"])
+def test_damaged_safetensors_named_before_allocating(llama_dir, tmp_path, damage):
+    model_dir = _copy(llama_dir, tmp_path)
+    damage(model_dir)
+    with pytest.raises(ValueError, match=re.escape(str(model_dir / WEIGHTS)) + ".*truncated or "
+                       "damaged"):
+        _load(model_dir)
+
+
+@pytest.mark.parametrize("text,match", [("[1, 2]", "JSON list, not an object"),
+                                        ("{bad", "is not valid JSON"),
+                                        ("\"llama\"", "JSON str")])
+def test_malformed_config_json_names_the_file(llama_dir, tmp_path, text, match):
+    model_dir = _copy(llama_dir, tmp_path)
+    (model_dir / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=re.escape(str(model_dir / "config.json")) + ".*"
+                       + match):
+        _load(model_dir)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("vocab_size", -5, "vocab_size=-5: must be an int >= 1"),
+    ("num_hidden_layers", 0, "num_hidden_layers=0"),
+    ("intermediate_size", 1.5, "intermediate_size=1.5"),
+    ("hidden_size", "32", "hidden_size='32'"),
+    ("num_attention_heads", True, "num_attention_heads=True"),
+    ("rms_norm_eps", float("nan"), "rms_norm_eps=nan: must be a finite number > 0"),
+    ("rms_norm_eps", -1e-6, "rms_norm_eps=-1e-06"),
+    ("rope_theta", float("inf"), "rope_theta=inf"),
+])
+def test_out_of_range_config_names_field_and_model(llama_dir, tmp_path, field, value, match):
+    model_dir = _copy(llama_dir, tmp_path)
+    _edit_config(model_dir, lambda cfg: cfg.update({field: value}))
+    with pytest.raises(ValueError, match=re.escape(str(model_dir)) + ".*" + re.escape(match)):
+        _load(model_dir)
+
+
+def test_out_of_range_moe_config(moe_dir, tmp_path):
+    model_dir = _copy(moe_dir, tmp_path)
+    _edit_config(model_dir, lambda cfg: cfg.update(moe_intermediate_size=0))
+    with pytest.raises(ValueError, match="moe_intermediate_size=0"):
+        _load(model_dir)
+
+
+def test_model_larger_than_memory_is_refused_before_allocating(llama_dir, tmp_path):
+    """hidden_size 2**20 makes ~1e12 parameters: refused by the count, not by the allocator
+    (which would take minutes or the OOM killer)."""
+    model_dir = _copy(llama_dir, tmp_path)
+    _edit_config(model_dir, lambda cfg: cfg.update(hidden_size=2 ** 20, intermediate_size=2 ** 20,
+                                                   head_dim=8))
+    with pytest.raises(ValueError, match=r"need \d+\.\d GiB but this machine has"):
+        _load(model_dir)
+
+
+def test_num_params_counts_what_the_model_holds(llama_dir, moe_dir):
+    """ArchConfig.num_params, the memory check's count, equals the module's matrices (norms
+    and biases are what it leaves out)."""
+    for model_dir in (llama_dir, moe_dir):
+        loaded = _load(model_dir)
+        held = sum(p.numel() for p in loaded.model.parameters() if p.dim() >= 2)
+        assert loaded.arch.num_params == held
+
+
+def test_corrupt_tokenizer_is_reported_not_taken_for_none(tmp_path):
+    from specmoe import LLM
+    from specmoe.loader.aliases import resolve_model_path
+    model_dir = tmp_path / "tiny-moe"
+    shutil.copytree(resolve_model_path("tiny-moe"), model_dir)
+    (model_dir / "tokenizer.json").write_text('{"version": ')
+    with pytest.raises(ValueError, match="tokenizer files in .*tiny-moe do not load"):
+        LLM(str(model_dir), dtype="float32")

@@ -1,0 +1,35 @@
+"""How much memory this machine can still give a process, for checks made before a large
+allocation (a model, a group of worker processes) rather than after the OOM killer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+GIB = 1 << 30
+
+
+def available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (the kernel's estimate of what can be
+    allocated without swapping: free memory plus reclaimable caches), or None where the
+    file does not exist or lacks it (not Linux)."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_fits(need_bytes: float, what: str, available: int | None = None) -> None:
+    """Raise ValueError when `need_bytes` exceeds the memory available (`available_bytes`
+    unless given); nothing where it cannot be read.
+
+    Args:
+        what: names the allocation in the message, e.g. "the weights of /m/x.gguf
+            (2.2e9 parameters in bfloat16)".
+    """
+    available = available_bytes() if available is None else available
+    if available is not None and need_bytes > available:
+        raise ValueError(f"{what} need {need_bytes / GIB:.1f} GiB but this machine has "
+                         f"{available / GIB:.1f} GiB available")
