@@ -60,6 +60,10 @@ class CarveSettings:
     dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
+        for name, least in (("num_experts", 2), ("calibration_windows", 1), ("window", 2),
+                            ("cluster_tokens", 1), ("cluster_iterations", 1)):
+            if getattr(self, name) < least:
+                raise ValueError(f"invalid {name}={getattr(self, name)}: must be >= {least}")
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k={self.top_k} must be in [1, num_experts="
                              f"{self.num_experts}]")
@@ -97,17 +101,24 @@ def carve(source: str, out_dir: str | Path, settings: CarveSettings,
         One report per carved layer (also in `out_dir/carve.json`, with the quality).
     Raises:
         ValueError: an architecture or shape that cannot be carved, a layer index out of
-            range, or `out_dir` holding a carve with other settings.
+            range, `out_dir` naming a file or holding a carve with other settings that has
+            finished a layer, a negative `eval_windows_per_file`; all found from the config
+            before the model is read.
         FileNotFoundError: no such model or corpus.
     """
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file: carve writes a model directory")
+    if eval_windows_per_file < 0:
+        raise ValueError(f"invalid eval windows per file={eval_windows_per_file}: must be "
+                         ">= 0 (0: none)")
+    layers = _carved_layers(settings, dense.read_dense_config(source)[1])
+    corpus = calibration.split_corpus(Path(corpus_dir) if corpus_dir
+                                      else calibration.default_corpus_dir())
     ckpt = dense.load_dense(source)
-    layers = _carved_layers(settings, ckpt)
     state = out / ".carve"
     _claim(state, source, settings)
     tok = ckpt.tokenizer()
-    corpus = calibration.split_corpus(Path(corpus_dir) if corpus_dir
-                                      else calibration.default_corpus_dir())
     ids = calibration.windows(tok, corpus.train, settings.calibration_windows, settings.window,
                               settings.seed)
     gen = torch.Generator().manual_seed(settings.seed)
@@ -164,21 +175,33 @@ def held_out_quality(ckpt, carved: dict, tok, held_out: dict[str, str], per_file
     return out
 
 
-def _carved_layers(settings: CarveSettings, ckpt: dense.DenseCheckpoint) -> set[int]:
-    n = ckpt.num_layers
+def _carved_layers(settings: CarveSettings, config: dict) -> set[int]:
+    """The layers to carve, checked against the dense model's `config`: in range, and an
+    FFN width that splits into S + N experts of one width."""
+    n, width = int(config["num_hidden_layers"]), int(config["intermediate_size"])
     layers = set(range(n)) if settings.layers is None else set(settings.layers)
     bad = sorted(i for i in layers if not 0 <= i < n)
     if bad:
         raise ValueError(f"layers {bad} out of range: the model has {n} layers")
+    total = settings.num_experts + settings.shared_experts
+    if width % total:
+        raise ValueError(f"cannot carve intermediate size {width} into {total} experts "
+                         f"({settings.shared_experts} shared + {settings.num_experts} routed): "
+                         f"S + N must divide it (e.g. one of {_divisors(width)})")
     return layers
 
 
+def _divisors(n: int, limit: int = 12) -> list[int]:
+    return [d for d in range(2, min(n, 4096) + 1) if n % d == 0][:limit]
+
+
 def _claim(state: Path, source: str, settings: CarveSettings) -> None:
-    """Start or resume a carve in `state`; refuse one with other settings."""
+    """Start or resume a carve in `state`; refuse one with other settings once it has
+    finished a layer (a claim with none is taken over)."""
     state.mkdir(parents=True, exist_ok=True)
     meta = state / "settings.json"
     mine = {"source": source, "settings": settings.to_json()}
-    if meta.exists():
+    if meta.exists() and any(state.glob("layer_*.safetensors")):
         theirs = json.loads(meta.read_text())
         if theirs != mine:
             raise ValueError(f"{state.parent} holds a carve with other settings ({theirs}); "

@@ -59,16 +59,16 @@ class DenseCheckpoint:
         return load_tokenizer(self.path)
 
 
-def load_dense(source: str) -> DenseCheckpoint:
-    """Read a dense Llama or Qwen2 model (an alias, a HuggingFace directory or a GGUF file,
-    dequantised) into float32.
+def read_dense_config(source: str) -> tuple[Path, dict]:
+    """(path, config dict) of a dense model that can be carved, from its config alone (no
+    weight is read): the checks of `load_dense`, made before its load.
 
     Raises:
         FileNotFoundError: no such model.
         ValueError: another architecture, or rope scaling / sliding windows (not carved).
     """
     path = resolve_model_path(source)
-    config, tensors = open_checkpoint(path, torch.float32)
+    config, _ = open_checkpoint(path, torch.float32)
     arch = (config.get("architectures") or ["?"])[0]
     if arch not in DENSE_ARCHITECTURES:
         raise ValueError(f"cannot carve {source!r}: architecture {arch!r} is not one of "
@@ -77,7 +77,19 @@ def load_dense(source: str) -> DenseCheckpoint:
     if scaling or config.get("use_sliding_window"):
         raise ValueError(f"cannot carve {source!r}: rope scaling {scaling!r} and sliding "
                          "windows are not supported")
-    return DenseCheckpoint(path, dict(config), {k: v.float().contiguous() for k, v in tensors})
+    return path, dict(config)
+
+
+def load_dense(source: str) -> DenseCheckpoint:
+    """Read a dense Llama or Qwen2 model (an alias, a HuggingFace directory or a GGUF file,
+    dequantised) into float32.
+
+    Raises:
+        FileNotFoundError, ValueError: as `read_dense_config`.
+    """
+    path, config = read_dense_config(source)
+    _, tensors = open_checkpoint(path, torch.float32)
+    return DenseCheckpoint(path, config, {k: v.float().contiguous() for k, v in tensors})
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

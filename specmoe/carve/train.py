@@ -28,6 +28,15 @@ class TrainSettings:
     router_lr: float = 1e-2
     bf16_matmuls: bool = True
 
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise ValueError(f"invalid train steps={self.steps}: must be >= 0 (0: no training)")
+        if self.batch < 1:
+            raise ValueError(f"invalid train batch={self.batch}: must be >= 1 tokens")
+        if not (self.lr > 0 and self.router_lr > 0):
+            raise ValueError(f"invalid learning rates lr={self.lr}, router_lr="
+                             f"{self.router_lr}: must be > 0")
+
 
 def relative_error(pred: torch.Tensor, target: torch.Tensor) -> float:
     """||pred - target||^2 / ||target||^2 over all tokens."""

@@ -45,6 +45,10 @@ class EngineDrainingError(RuntimeError):
     """The engine is shutting down and accepts no new requests (HTTP 503)."""
 
 
+class EngineFailedError(RuntimeError):
+    """The engine can serve no request again (its expert-parallel group failed)."""
+
+
 class RequestFailedError(RuntimeError):
     """The engine failed while processing this request; others go on.
 
@@ -270,6 +274,7 @@ class AsyncEngine:
             is_streaming: push partial deltas after every step (else only the final one).
         Raises:
             EngineDrainingError: shutdown has begun.
+            EngineFailedError: the target failed for good (`ModelRunner.failure`).
             QueueFullError: the requests would make more than max_waiting wait beyond the
                 free running slots. Each engine request counts (an HTTP request with p
                 prompts and n choices is p x n); a batch larger than max_waiting is still
@@ -278,6 +283,8 @@ class AsyncEngine:
         """
         if self._is_draining or not self._thread.is_alive():
             raise EngineDrainingError("the server is shutting down")
+        if self.llm.target.failure is not None:
+            raise EngineFailedError(f"the engine cannot serve: {self.llm.target.failure}")
         loop = asyncio.get_running_loop()
         now = time.perf_counter()
         streams = [RequestStream(self, r.request_id) for r in requests]

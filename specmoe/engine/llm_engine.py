@@ -139,6 +139,9 @@ class LLM:
             sched.block_size, self._loaded_drafts)
         k = speculative.num_speculative_tokens if speculative else 0
         table = speculative.batch_size_table if speculative else None
+        adaptive = speculative is not None and speculative.policy == "adaptive"
+        self.validator = dataclasses.replace(self.validator,
+                                             max_speculative_tokens=k if adaptive else None)
         self.engine = EngineCore(self.target, self.proposer, self.processor, sched,
                                  num_blocks, k, speculative.disable_by_batch_size
                                  if speculative else None,

@@ -32,11 +32,14 @@ class RequestValidator:
         vocab_size: the target's vocabulary (token ids in [0, vocab_size)).
         max_model_len: context limit in tokens; a prompt must leave at least one slot.
         has_tokenizer: text prompts and stop strings need one.
+        max_speculative_tokens: the largest per-request K the engine's speculation policy
+            honours (the adaptive policy: its K; None: any, as the static policy).
     """
 
     vocab_size: int
     max_model_len: int
     has_tokenizer: bool
+    max_speculative_tokens: int | None = None
 
     def check_prompt(self, token_ids: list[int]) -> None:
         """Raises ValueError ("invalid prompt ...") for an empty prompt, an id outside the
@@ -65,6 +68,10 @@ class RequestValidator:
                              f"[0, {self.vocab_size})")
         if params.stop and not self.has_tokenizer:
             raise ValueError("invalid stop: stop strings need a tokenizer; this model has none")
+        k, cap = params.num_speculative_tokens, self.max_speculative_tokens
+        if k is not None and cap is not None and k > cap:
+            raise ValueError(f"invalid num_speculative_tokens={k}: the adaptive speculation "
+                             f"policy drafts at most {cap} tokens a step (the engine's K)")
 
 
 def _in_vocab(token: object, vocab_size: int) -> bool:

@@ -97,6 +97,9 @@ def _advise(args) -> dict:
     from rich.console import Console
 
     from specmoe.analysis.advise import AdviseConfig, advise
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out} is a file: advise writes advice.json into a "
+                         "directory")
     apply_threads(args)
     cfg = AdviseConfig(model=args.model, draft=args.draft,
                        prompts=read_prompts(args.prompts) if args.prompts else None,

@@ -95,13 +95,21 @@ def apply_threads(args) -> None:
     pin_thread_count()  # the engine no longer adapts it to other processes' load
 
 
+# The speculation flags' defaults; their parser defaults are None, so that a flag given
+# without --draft, or against another flag, can be refused (`speculative_from_args`).
+SPEC_DEFAULTS = {"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+_SPEC_FLAGS = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+               "draft_quantization", "speculative_disable_by_batch_size", "speculative_policy",
+               "speculative_batch_size_table")
+
+
 def add_spec_args(p: argparse.ArgumentParser, default_draft: str | None = None) -> None:
     p.add_argument("--draft", default=default_draft,
                    help="'ngram' for prompt lookup, or a draft model path/alias")
-    p.add_argument("--num-speculative-tokens", "-k", type=int, default=4,
-                   help="K, draft tokens verified per step (default: %(default)s)")
-    p.add_argument("--prompt-lookup-min", type=int, default=1)
-    p.add_argument("--prompt-lookup-max", type=int, default=3)
+    p.add_argument("--num-speculative-tokens", "-k", type=int, default=None,
+                   help="K, draft tokens verified per step (default: 4)")
+    p.add_argument("--prompt-lookup-min", type=int, default=None, help="(default: 1)")
+    p.add_argument("--prompt-lookup-max", type=int, default=None, help="(default: 3)")
     p.add_argument("--draft-quantization", default=None, choices=["int8", "int4"],
                    help="weight-only quantisation of the draft model (int4: ~3x cheaper "
                         "drafting on CPU)")
@@ -109,8 +117,8 @@ def add_spec_args(p: argparse.ArgumentParser, default_draft: str | None = None) 
                    help="pause speculation while at least this many requests run (large "
                         "batches are compute-bound; `specmoe bench throughput` shows where "
                         "speculation stops paying)")
-    p.add_argument("--speculative-policy", default="static", choices=SPECULATIVE_POLICIES,
-                   help="how each step's K is chosen: static (every request drafts K), "
+    p.add_argument("--speculative-policy", default=None, choices=SPECULATIVE_POLICIES,
+                   help="how each step's K is chosen: static (the default: every request drafts K), "
                         "batch_size_table (K by the number of running requests, from "
                         "--speculative-batch-size-table) or adaptive (per request and step, "
                         "from measured acceptance and step times; at most K)")
@@ -133,16 +141,35 @@ def json_dict(text: str) -> dict:
 
 
 def speculative_from_args(args) -> dict | None:
+    """The `SpeculativeConfig` fields of `add_spec_args`' flags (None without --draft); the
+    unset flags in `args` are set to their defaults (`SPEC_DEFAULTS`, policy "static", or
+    "batch_size_table" with a table).
+
+    Raises:
+        ValueError: a speculation flag without --draft, or --speculative-batch-size-table
+            with another --speculative-policy than batch_size_table.
+    """
+    given = [f for f in _SPEC_FLAGS if getattr(args, f) is not None]
+    if not args.draft and given:
+        raise ValueError(f"--{given[0].replace('_', '-')} needs --draft (ngram or a draft "
+                         "model): without it nothing is speculated")
+    table = args.speculative_batch_size_table
+    if table is not None and args.speculative_policy not in (None, "batch_size_table"):
+        raise ValueError(f"--speculative-batch-size-table sets the policy batch_size_table, "
+                         f"which contradicts --speculative-policy {args.speculative_policy}")
+    for name, value in SPEC_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.speculative_policy is None:
+        args.speculative_policy = "batch_size_table" if table is not None else "static"
     if not args.draft:
         return None
     spec = {"num_speculative_tokens": args.num_speculative_tokens,
             "prompt_lookup_min": args.prompt_lookup_min,
             "prompt_lookup_max": args.prompt_lookup_max,
             "draft_quantization": args.draft_quantization,
-            "disable_by_batch_size": args.speculative_disable_by_batch_size}
-    table = args.speculative_batch_size_table
-    spec["policy"] = "batch_size_table" if table is not None else args.speculative_policy
-    spec["batch_size_table"] = table
+            "disable_by_batch_size": args.speculative_disable_by_batch_size,
+            "policy": args.speculative_policy, "batch_size_table": table}
     if args.draft == "ngram":
         return {"method": "ngram", **spec}
     return {"method": "draft", "draft_model": args.draft, **spec}

@@ -65,7 +65,8 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--host", default=d.host, help="bind address (default: %(default)s)")
     serve.add_argument("--port", type=int, default=d.port, help="(default: %(default)s)")
     serve.add_argument("--served-model-name", default=None,
-                       help="the `model` clients pass (default: the --model value)")
+                       help="the `model` clients pass (default: the --model alias, or the "
+                            "last component of its path)")
     serve.add_argument("--api-key", default=None,
                        help=f"require 'Authorization: Bearer KEY' on every route but /health "
                             f"(default: ${API_KEY_ENV} if set, else none)")
@@ -92,11 +93,12 @@ def cmd_serve(args) -> None:
     import logging
 
     from specmoe import LLM
-    from specmoe.entrypoints.openai.api_server import ServeConfig, run_server
+    from specmoe.entrypoints.openai.api_server import ServeConfig, resolve_api_key, run_server
     cfg = ServeConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
                       api_key=args.api_key, max_waiting=args.max_waiting,
                       drain_timeout_s=args.drain_timeout, log_level=args.log_level,
                       max_request_bytes=args.max_request_bytes)
+    resolve_api_key(cfg)  # before the model loads
     if cfg.max_waiting < 1:
         raise ValueError(f"invalid --max-waiting={cfg.max_waiting}: must be >= 1")
     if cfg.max_request_bytes < 1:

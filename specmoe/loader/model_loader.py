@@ -153,6 +153,18 @@ def parse_arch(path: Path, hf_config: dict):
         raise ValueError(f"{path}: {exc}") from None
 
 
+def read_arch(config: ModelConfig) -> ArchConfig:
+    """The architecture of the checkpoint `config.model` names, from its config.json or
+    GGUF metadata alone (no weight is read): for checks made before loading.
+
+    Raises:
+        FileNotFoundError, ValueError: as `load_model`.
+    """
+    path = resolve_model_path(config.model)
+    hf_config, _ = open_checkpoint(path, DTYPES[config.dtype])
+    return parse_arch(path, hf_config)[1]
+
+
 def check_weights_fit(path: Path, arch: ArchConfig, dtype: torch.dtype,
                       device: torch.device) -> None:
     """Raise ValueError when the model's weights in `dtype` (`ArchConfig.num_params`) would

@@ -16,6 +16,9 @@ import datetime
 import functools
 import os
 import socket
+import sys
+import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -40,11 +43,35 @@ def init_group(rank: int, world_size: int, port: int, device: str, timeout_s: fl
 
 
 def worker_main(rank: int, port: int, model_config, ep: ExpertParallelConfig,
-                threads: int) -> None:
-    """Entry of ranks > 0 spawned by `launch_workers`."""
-    torch.set_num_threads(threads)
-    init_group(rank, ep.size, port, model_config.device or "cpu", ep.timeout_s)
-    serve_as_worker(model_config, ep)
+                threads: int, parent_pid: int) -> None:
+    """Entry of ranks > 0 spawned by `launch_workers`: ends with its parent
+    (`exit_with_parent`), and reports a failure in one line on stderr, not a traceback
+    (rank 0 reports the group's failure to the user)."""
+    exit_with_parent(parent_pid)
+    try:
+        torch.set_num_threads(threads)
+        init_group(rank, ep.size, port, model_config.device or "cpu", ep.timeout_s)
+        serve_as_worker(model_config, ep)
+    except Exception as exc:  # noqa: BLE001 - one line per failed rank, then exit 1
+        print(f"specmoe: expert-parallel rank {rank} stopped: {type(exc).__name__}: "
+              f"{str(exc).splitlines()[0] if str(exc) else ''}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+
+
+def exit_with_parent(parent_pid: int, interval_s: float = 0.2) -> threading.Thread:
+    """Start a daemon thread that ends this process (`os._exit(1)`, no clean-up: the
+    parent that would be told is gone) once its parent `parent_pid` is no longer its
+    parent, whatever phase the process is in (loading, joining the group, serving); a
+    SIGKILLed or SIGTERMed server so leaves no worker behind. Polls `os.getppid()` every
+    `interval_s` seconds (portable, and unlike PR_SET_PDEATHSIG not tied to the parent
+    thread that started the process)."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(interval_s)
+        os._exit(1)
+    thread = threading.Thread(target=watch, name="specmoe-parent-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def serve_as_worker(model_config, ep: ExpertParallelConfig) -> int:
@@ -122,7 +149,8 @@ def launch_workers(model_config, ep: ExpertParallelConfig, threads: int = 1):
     import torch.multiprocessing as mp
     port = free_port()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=worker_main, args=(r, port, model_config, ep, threads),
+    procs = [ctx.Process(target=worker_main,
+                         args=(r, port, model_config, ep, threads, os.getpid()),
                          daemon=True) for r in range(1, ep.size)]
     for p in procs:
         p.start()
@@ -143,12 +171,64 @@ def abort(workers: list, wait_s: float) -> None:
         dist.destroy_process_group()
 
 
+# Resident memory of a rank beyond its model: the interpreter, torch and the gloo group
+# (232-240 MiB a worker measured on tiny-moe with 4 and 32 ranks).
+RANK_BASE_BYTES = 256 << 20
+# Ranks this machine may run per core (each runs one torch thread; more only time-share).
+RANKS_PER_CORE = 4
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def check_group(model_config, ep: ExpertParallelConfig, local: bool = True) -> None:
+    """Refuse, before any process starts, a group the model's config alone shows cannot
+    run: a dense model, more ranks than routed experts (or a placement file that does not
+    fit), and for ranks started on this machine (`local`) more than `RANKS_PER_CORE` per
+    core or more memory than is available (each rank loads the model before dropping the
+    experts it does not hold, plus `RANK_BASE_BYTES`).
+
+    Raises:
+        ValueError: naming the size and the bound it exceeds.
+        FileNotFoundError: no such placement file, or model.
+    """
+    from specmoe.layers.moe.placement import CONTIGUOUS, read_placement
+    from specmoe.loader.model_loader import read_arch
+    from specmoe.utils.memory import check_fits
+    arch = read_arch(model_config)
+    if arch.moe is None or not arch.moe.moe_layers:
+        raise ValueError(f"expert parallelism needs a MoE model: {model_config.model} has no "
+                         "MoE layer")
+    n = arch.moe.num_experts
+    if ep.placement != CONTIGUOUS:
+        read_placement(ep.placement, ep.size, n)
+    elif ep.size > n:
+        raise ValueError(f"expert_parallel_size={ep.size} exceeds the {n} routed experts of "
+                         f"{model_config.model}: every rank must hold at least one")
+    if not local:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if ep.size > RANKS_PER_CORE * (cores or 1):
+        raise ValueError(f"expert_parallel_size={ep.size} would start {ep.size} processes on "
+                         f"{cores} cores (at most {RANKS_PER_CORE} per core here); spread "
+                         "the ranks over machines with torchrun")
+    per_rank = arch.num_params * _DTYPE_BYTES.get(model_config.dtype, 4)
+    check_fits(ep.size * per_rank + (ep.size - 1) * RANK_BASE_BYTES,
+               f"expert_parallel_size={ep.size} ranks, each loading {model_config.model} "
+               f"({per_rank / (1 << 30):.2f} GiB) before dropping the experts it does not hold,")
+
+
 def start_group(model_config, ep: ExpertParallelConfig) -> list:
     """The other ranks of an `ep.size` group, this process joining as rank 0: under torchrun
     the ranks it started (a rank > 0 serves inside this call and exits), else worker
-    processes started here. torch runs one intra-op thread per rank."""
+    processes started here, once `check_group` has passed. torch runs one intra-op thread
+    per rank.
+
+    Raises:
+        ValueError, FileNotFoundError: as `check_group`.
+    """
+    torchrun = launched_by_torchrun()
+    check_group(model_config, ep, local=not torchrun)
     torch.set_num_threads(1)
-    if launched_by_torchrun():
+    if torchrun:
         return join_torchrun_group(model_config, ep)
     return launch_workers(model_config, ep)
 

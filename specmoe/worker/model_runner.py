@@ -30,7 +30,14 @@ class SequenceInput:
 
 
 class ModelRunner:
-    """Owns a loaded model; turns batches of token lists into logits through a KV cache."""
+    """Owns a loaded model; turns batches of token lists into logits through a KV cache.
+
+    Attributes:
+        failure: what ended the runner's process group (`ExpertParallelRunner`); always None
+            in one process.
+    """
+
+    failure: Exception | None = None
 
     def __init__(self, loaded: LoadedModel) -> None:
         self.loaded = loaded

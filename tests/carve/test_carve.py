@@ -140,13 +140,62 @@ def test_carving_some_layers_keeps_the_others_dense(tmp_path):
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(num_experts=5, top_k=2), "not a multiple of 5"),
+    (dict(num_experts=5, top_k=2), "into 5 experts .* S \\+ N must divide it"),
+    (dict(num_experts=100000, top_k=2), "into 100000 experts"),
+    (dict(num_experts=4, top_k=2, shared_experts=100), r"104 experts \(100 shared"),
     (dict(num_experts=4, top_k=2, layers=(7,)), r"layers \[7\] out of range"),
-    (dict(num_experts=4, top_k=5), "top_k=5"),
 ])
-def test_bad_carves_name_the_value(kw, match, tmp_path):
+def test_bad_carves_fail_before_the_model_is_read_and_leave_no_claim(kw, match, tmp_path,
+                                                                   monkeypatch):
+    """Found from the config: no weight read, nothing written, so the corrected rerun
+    into the same --out is not refused."""
+    def no_load(source):
+        raise AssertionError("the model was read before the settings were checked")
+    with monkeypatch.context() as m:
+        m.setattr(dense, "load_dense", no_load)
+        with pytest.raises(ValueError, match=match):
+            carve(DRAFT, tmp_path, CarveSettings(**kw, **FAST), progress=False)
+    assert not (tmp_path / ".carve").exists()
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(num_experts=4, top_k=5), "top_k=5"),
+    (dict(num_experts=1, top_k=1), "num_experts=1: must be >= 2"),
+    (dict(num_experts=4, top_k=2, window=0), "window=0"),
+    (dict(num_experts=4, top_k=2, calibration_windows=0), "calibration_windows=0"),
+])
+def test_bad_settings_name_the_value(kw, match):
     with pytest.raises(ValueError, match=match):
-        carve(DRAFT, tmp_path, CarveSettings(**kw, **FAST), progress=False)
+        CarveSettings(**{**FAST, **kw})
+
+
+@pytest.mark.parametrize("kw,match", [(dict(steps=-1), "steps=-1"), (dict(batch=0), "batch=0"),
+                                      (dict(lr=0.0), "lr=0.0")])
+def test_bad_train_settings_name_the_value(kw, match):
+    with pytest.raises(ValueError, match=match):
+        TrainSettings(**kw)
+
+
+def test_out_naming_a_file_and_negative_eval_windows(tmp_path):
+    settings = CarveSettings(num_experts=4, top_k=2, **FAST)
+    file = tmp_path / "f"
+    file.write_text("")
+    with pytest.raises(ValueError, match="is a file"):
+        carve(DRAFT, file, settings, progress=False)
+    with pytest.raises(ValueError, match="eval windows per file=-1"):
+        carve(DRAFT, tmp_path / "o", settings, progress=False, eval_windows_per_file=-1)
+
+
+def test_a_claim_without_a_finished_layer_is_taken_over(tmp_path):
+    from specmoe.carve.carve import _claim
+    state = tmp_path / ".carve"
+    _claim(state, DRAFT, CarveSettings(num_experts=4, top_k=2, **FAST))
+    mine = CarveSettings(num_experts=4, top_k=1, **FAST)
+    _claim(state, DRAFT, mine)  # the first never finished a layer
+    (state / "layer_000.safetensors").write_bytes(b"")
+    _claim(state, DRAFT, mine)
+    with pytest.raises(ValueError, match="holds a carve with other settings"):
+        _claim(state, DRAFT, CarveSettings(num_experts=4, top_k=2, **FAST))
 
 
 def test_greedy_speculation_on_a_carved_model_is_lossless(trained, tmp_path):

@@ -51,3 +51,34 @@ def test_auto_dtype_is_bf16_only_where_the_native_kernels_run(monkeypatch):
     assert resolve_dtype("auto", "cpu") == expected
     monkeypatch.setattr(kernels.gemv, "_enabled", False)
     assert resolve_dtype("auto", "cpu") == "float32"
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["-k", "8"], "--num-speculative-tokens needs --draft"),
+    (["--speculative-policy", "adaptive"], "--speculative-policy needs --draft"),
+    (["--prompt-lookup-max", "5"], "--prompt-lookup-max needs --draft"),
+    (["--draft", "ngram", "--speculative-policy", "static",
+      "--speculative-batch-size-table", '{"1-4": 2}'], "contradicts --speculative-policy static"),
+    (["--draft", "ngram", "--speculative-policy", "adaptive",
+      "--speculative-batch-size-table", '{"1-4": 2}'], "contradicts --speculative-policy adap"),
+])
+def test_contradictory_speculation_flags_are_refused_before_loading(flags, match, capsys):
+    """Refused by the CLI with one line (exit 2) before any model is read: the model named
+    does not exist, so reaching the load would give another error."""
+    from specmoe.entrypoints.cli import main
+    for command in (["generate", "--prompt", "x"], ["serve"]):
+        assert main(command + ["--model", "/no/such/model"] + flags) == 2
+        err = capsys.readouterr().err
+        assert match in err and "/no/such/model" not in err
+
+
+@pytest.mark.parametrize("flags,policy,k", [
+    ([], None, None), (["--draft", "ngram"], "static", 4),
+    (["--draft", "ngram", "--speculative-batch-size-table", '{"1-4": 2}'], "batch_size_table", 4),
+    (["--draft", "ngram", "--speculative-policy", "batch_size_table",
+      "--speculative-batch-size-table", '{"1-4": 2}', "-k", "3"], "batch_size_table", 3),
+])
+def test_speculation_flags_take_their_defaults(flags, policy, k):
+    from specmoe.entrypoints.args import speculative_from_args
+    spec = speculative_from_args(build_parser().parse_args(["serve"] + flags))
+    assert (spec and spec["policy"], spec and spec["num_speculative_tokens"]) == (policy, k)

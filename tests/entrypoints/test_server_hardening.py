@@ -97,6 +97,11 @@ BAD = [
      "messages.0.content"),
     # D5: prompts x n above MAX_ENGINE_REQUESTS_PER_CALL
     ("completions", {"prompt": [PROMPT] * 17, "n": 16}, "prompt"),
+    # issue 57 item 7: token ids are ints, not booleans or floats
+    ("completions", {"prompt": [True]}, "prompt"),
+    ("completions", {"prompt": [[True, False]]}, "prompt"),
+    ("completions", {"prompt": [1.0]}, "prompt"),
+    ("completions", {"prompt": [1e3]}, "prompt"),
 ]
 
 
@@ -247,6 +252,51 @@ def test_health_is_503_once_an_expert_parallel_rank_failed(llm, monkeypatch):
     assert ok.status_code == 200
     assert failed.status_code == 503
     assert failed.json() == {"status": "failed", "error": "rank 1 timed out"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_requests_to_a_failed_expert_parallel_group_are_503_before_any_stream(
+        llm, monkeypatch, stream):
+    """A streaming request too gets the status, not a 200 and an error event."""
+    from specmoe.layers.moe.expert_parallel import RankFailure
+
+    async def scenario(app, client):
+        monkeypatch.setattr(llm.target, "failure", RankFailure("rank 1 timed out"),
+                            raising=False)
+        return await client.post("/v1/completions", json=completion(stream=stream))
+    error = assert_openai_error(serve(llm, scenario), 503, None, "service_unavailable")
+    assert error["code"] == "engine_failed" and "rank 1 timed out" in error["message"]
+
+
+@pytest.mark.parametrize("key", ["clé", "key\n", " key", "k\u00a0y"])
+def test_an_api_key_no_client_can_send_is_refused(llm, key):
+    with pytest.raises(ValueError, match="invalid --api-key: it must be printable ASCII"):
+        build_app(llm, MODEL, api_key=key)
+
+
+def test_served_name_of_a_path_is_its_last_component(tmp_path):
+    from specmoe.entrypoints.openai.api_server import served_name
+    assert served_name(str(tmp_path / "models" / "Qwen3-MoE")) == "Qwen3-MoE"
+    assert served_name(str(tmp_path / "m.gguf")) == "m.gguf"
+    assert served_name("tiny-moe") == "tiny-moe"
+
+
+def test_adaptive_policy_refuses_a_request_k_above_its_own(llm):
+    """The static policy honours any per-request K (up to the protocol's 16); the adaptive
+    one drafts at most its K, so a larger one is a 400 naming the cap, not a silent cut."""
+    adaptive = llm.with_speculative({"method": "ngram", "num_speculative_tokens": 3,
+                                     "policy": "adaptive"})
+
+    async def scenario(app, client):
+        return (await client.post("/v1/completions", json=completion(num_speculative_tokens=8)),
+                await client.post("/v1/completions", json=completion(num_speculative_tokens=3)))
+    refused, ok = serve(adaptive, scenario)
+    error = assert_openai_error(refused, 400, "num_speculative_tokens", "invalid_request_error")
+    assert "num_speculative_tokens=8" in error["message"] and "at most 3" in error["message"]
+    assert ok.status_code == 200
+    static = llm.with_speculative({"method": "ngram", "num_speculative_tokens": 3})
+    assert serve(static, lambda app, client: client.post(
+        "/v1/completions", json=completion(num_speculative_tokens=8))).status_code == 200
 
 
 # ---- D9: a non-streaming client disconnect ends quietly -----------------------------------

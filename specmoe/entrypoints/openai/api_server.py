@@ -27,6 +27,7 @@ import os
 import reprlib
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI
@@ -109,8 +110,10 @@ def build_app(llm, served_model_name: str, api_key: str | None = None,
         max_request_bytes: largest request body in bytes; a larger one gets 413 before it
             is parsed (checked from Content-Length and by counting a chunked body).
     Raises:
-        ValueError: max_waiting < 1 or max_request_bytes < 1.
+        ValueError: max_waiting < 1, max_request_bytes < 1, or an api_key no HTTP client
+            can send (`check_api_key`).
     """
+    check_api_key(api_key)
     if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) \
             or max_request_bytes < 1:
         raise ValueError(f"invalid max_request_bytes={max_request_bytes!r}: must be an int "
@@ -148,7 +151,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def health() -> JSONResponse:
         if state.is_draining:
             return JSONResponse({"status": "draining"}, status_code=503)
-        failure = getattr(serving.llm.target, "failure", None)  # expert parallelism
+        failure = serving.llm.target.failure  # expert parallelism
         if failure is not None:
             return JSONResponse({"status": "failed", "error": str(failure)}, status_code=503)
         return JSONResponse({"status": "ok"})
@@ -415,11 +418,38 @@ class ServeConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
 
-def run_server(llm, model_name: str, cfg: ServeConfig) -> None:
-    """Serve `llm` until a signal; returns after a graceful drain."""
+def check_api_key(api_key: str | None) -> None:
+    """Raise ValueError for a key that cannot travel in an Authorization header: HTTP
+    clients send header values as printable ASCII (a non-ASCII key starts a server no client
+    can authenticate to). None (no key) passes."""
+    if api_key is not None and not (api_key.isascii() and api_key.isprintable()
+                                    and api_key.strip() == api_key):
+        raise ValueError("invalid --api-key: it must be printable ASCII without leading or "
+                         f"trailing spaces (HTTP headers carry no other), got {len(api_key)} "
+                         "characters that are not")
+
+
+def resolve_api_key(cfg: ServeConfig) -> str | None:
+    """--api-key, else $SPECMOE_API_KEY, else None; checked (`check_api_key`)."""
     api_key = cfg.api_key or os.environ.get(API_KEY_ENV) or None
-    app = build_app(llm, cfg.served_model_name or model_name, api_key, cfg.max_waiting,
-                    cfg.drain_timeout_s, cfg.max_request_bytes)
+    check_api_key(api_key)
+    return api_key
+
+
+def served_name(model: str) -> str:
+    """The `model` clients pass when --served-model-name is not given: an alias as it is,
+    a path's last component (so the server's paths stay out of /v1/models, responses, error
+    messages and metric labels)."""
+    path = Path(model)
+    return path.name if len(path.parts) > 1 or path.exists() else model
+
+
+def run_server(llm, model_name: str, cfg: ServeConfig) -> None:
+    """Serve `llm` until a signal; returns after a graceful drain. `model_name` (a path
+    or an alias) is served as `served_name(model_name)` unless `cfg.served_model_name`."""
+    app = build_app(llm, cfg.served_model_name or served_name(model_name),
+                    resolve_api_key(cfg), cfg.max_waiting, cfg.drain_timeout_s,
+                    cfg.max_request_bytes)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
                             timeout_graceful_shutdown=5, access_log=False)
     with frozen_heap():  # the loaded engine lives as long as the server

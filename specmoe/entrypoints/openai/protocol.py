@@ -31,6 +31,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (als
 # Integer fields are strict: true or 3.5 is refused, not read as 1 or 3.
 
 NonNegInt = Annotated[int, Field(ge=0, strict=True)]
+StrictInt = Annotated[int, Field(strict=True)]  # token ids: not true, not 1.0 or 1e3
 StrictBool = Annotated[bool, Field(strict=True)]
 # An int or a float, finite; not a bool and not a string (strict mode takes ints for floats).
 StrictFloat = Annotated[float, Field(strict=True, allow_inf_nan=False)]
@@ -136,7 +137,7 @@ class _SamplingFields(_Strict):
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = Field(strict=True, default=COMPLETIONS_DEFAULT_MAX_TOKENS, ge=1)
     logprobs: int | None = Field(strict=True, default=None, ge=0, le=MAX_LOGPROBS)
     echo: Literal[False] = False

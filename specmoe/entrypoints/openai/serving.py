@@ -22,8 +22,9 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from specmoe.engine.async_engine import (AsyncEngine, EngineDrainingError, QueueFullError,
-                                         RequestDelta, RequestFailedError, RequestStream)
+from specmoe.engine.async_engine import (AsyncEngine, EngineDrainingError, EngineFailedError,
+                                         QueueFullError, RequestDelta, RequestFailedError,
+                                         RequestStream)
 from specmoe.entrypoints.openai import protocol as P
 from specmoe.entrypoints.openai.token_bytes import TokenBytes
 from specmoe.outputs import SpecDecodeStats, TokenLogprob
@@ -199,6 +200,8 @@ class OpenAIServing:
             raise APIError(429, str(exc), None, "queue_full") from exc
         except EngineDrainingError as exc:
             raise APIError(503, str(exc), None, "shutting_down") from exc
+        except EngineFailedError as exc:
+            raise APIError(503, str(exc), None, "engine_failed") from exc
         if body.stream:
             return StreamingResponse(self._sse(streams, choices, fmt),
                                      media_type="text/event-stream",
