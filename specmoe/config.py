@@ -171,9 +171,11 @@ class ArchConfig:
     eos_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        _check_sizes(self, ("vocab_size", "hidden_size", "intermediate_size",
-                            "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                            "head_dim", "max_position_embeddings"))
+        _check_sizes(self, ("vocab_size", "hidden_size", "num_hidden_layers",
+                            "num_attention_heads", "num_key_value_heads", "head_dim",
+                            "max_position_embeddings"))
+        # 0 where every layer is MoE (no dense MLP to size)
+        _check_sizes(self, ("intermediate_size",), least=0 if self._all_moe() else 1)
         _check_positive_finite(self, ("rms_norm_eps", "rope_theta"))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple "
@@ -188,6 +190,10 @@ class ArchConfig:
     @property
     def is_moe(self) -> bool:
         return self.moe is not None
+
+    def _all_moe(self) -> bool:
+        return self.moe is not None and set(self.moe.moe_layers) >= set(
+            range(self.num_hidden_layers))
 
     @property
     def kv_cache_values_per_token(self) -> int:
@@ -236,13 +242,13 @@ class ArchConfig:
                 + self.gated_mlp_params(m.shared_expert_intermediate_size))
 
 
-def _check_sizes(obj, names: tuple[str, ...]) -> None:
+def _check_sizes(obj, names: tuple[str, ...], least: int = 1) -> None:
     """Raise ValueError naming the first of `obj`'s attributes `names` that is not an int
-    >= 1 (a bool, a float or a string from a malformed config.json included)."""
+    >= `least` (a bool, a float or a string from a malformed config.json included)."""
     for name in names:
         value = getattr(obj, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"invalid {name}={value!r}: must be an int >= 1")
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"invalid {name}={value!r}: must be an int >= {least}")
 
 
 def _check_positive_finite(obj, names: tuple[str, ...]) -> None:
