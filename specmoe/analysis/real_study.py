@@ -115,7 +115,7 @@ def e2e_prompts(llm, cfg: RealStudyConfig) -> list[list[int]]:
 def _cut(tokenizer, text: str, num_tokens: int) -> str:
     """The text's first `num_tokens` tokens, as text: a long question is shortened inside
     the user message, so the chat template still ends with the assistant's turn."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids = tokenizer.encode(text, add_special_tokens=False, verbose=False)
     return text if len(ids) <= num_tokens else tokenizer.decode(ids[:num_tokens])
 
 

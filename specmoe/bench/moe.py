@@ -24,7 +24,7 @@ layer (unique x one expert's bytes), plus, for the whole model, every other weig
 are 2 x active parameters x T (attention scores left out, as the throughput floor leaves
 them). Against the probes of the same run (read bandwidth before and after each part, the
 multiply peak at the start and after every case) that gives the floor
-max(bytes / bandwidth, flops / peak) and the fractions of it reached. The targets of issue 24
+max(bytes / bandwidth, flops / peak) and the fractions of it reached. The roofline targets
 are reported, never asserted: at T <= 9, at least 85% of the bandwidth roofline of the bytes
 read; at T >= 80, at least 80% of the larger floor.
 """

@@ -1,6 +1,6 @@
 """What a `specmoe bench moe` point reads and multiplies, and how its times compare with the
 floors of the same run: distinct experts, bytes of a layer and of a whole-model forward,
-active parameters, and issue 24's targets."""
+active parameters, and the roofline targets."""
 
 from __future__ import annotations
 

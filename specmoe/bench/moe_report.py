@@ -41,7 +41,8 @@ def markdown(results: dict) -> str:
              f"{' in huge pages' if env['huge_pages'] else ''}; each part is set against "
              f"the higher probe around it); multiply peak {env['peak_flops'] / 1e9:.0f} "
              f"GFLOP/s ({env['peak_source']}).", "",
-             f"**Targets** (issue 24; reported, not asserted): {cfg['targets']}.", "",
+             f"**Targets** (fractions of the roofline; reported, not asserted): "
+             f"{cfg['targets']}.", "",
              *target_summary(results), "",
              *[f"**Caveat**: {c}." for c in caveats(results)],
              *([""] if caveats(results) else [])]
@@ -137,7 +138,10 @@ def target_cell(target: dict | None) -> str:
 
 
 def target_summary(results: dict) -> list[str]:
-    """One row per preset, part and backend: the targets met of those evaluated."""
+    """One row per preset, part and backend: the targets met of those evaluated (none on
+    smoke shapes, which measure nothing)."""
+    if results["config"]["smoke"]:
+        return ["Targets not evaluated: a smoke run's shapes fit in cache and measure nothing."]
     backends = results["config"]["backends"]
     out = ["| preset | part | " + " | ".join(backends) + " |",
            "|---|---|" + "---|" * len(backends)]

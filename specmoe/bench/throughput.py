@@ -266,7 +266,7 @@ def distinct_question_texts(n: int) -> list[str]:
 
 def _encode(llm, prompt) -> list[int]:
     if prompt.is_completion:
-        return llm.tokenizer.encode(prompt.text, add_special_tokens=False)
+        return llm.tokenizer.encode(prompt.text, add_special_tokens=False, verbose=False)
     return chat_ids(llm, prompt.text)
 
 
@@ -276,7 +276,7 @@ def chat_ids(llm, text: str) -> list[int]:
         text = llm.chat_prompt([{"role": "user", "content": text}])
     except ValueError:  # no chat template: the raw text
         pass
-    return llm.tokenizer.encode(text, add_special_tokens=False)
+    return llm.tokenizer.encode(text, add_special_tokens=False, verbose=False)
 
 
 # ---------------------------------------------------------------- running

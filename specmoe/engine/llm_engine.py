@@ -256,7 +256,9 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompts as token ids")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            # verbose=False: the tokenizer's model_max_length warning is not the limit;
+            # `check_prompt` holds prompts to max_model_len with its own error
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False, verbose=False)
         else:
             ids, prompt = list(prompt), None
         self.validator.check_prompt(ids)

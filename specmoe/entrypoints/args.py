@@ -107,7 +107,7 @@ def add_spec_args(p: argparse.ArgumentParser, default_draft: str | None = None) 
     p.add_argument("--draft", default=default_draft,
                    help="'ngram' for prompt lookup, or a draft model path/alias")
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=None,
-                   help="K, draft tokens verified per step (default: 4)")
+                   help="K, draft tokens verified per step (default: 4; 0: speculation off)")
     p.add_argument("--prompt-lookup-min", type=int, default=None, help="(default: 1)")
     p.add_argument("--prompt-lookup-max", type=int, default=None, help="(default: 3)")
     p.add_argument("--draft-quantization", default=None, choices=["int8", "int4"],
@@ -147,7 +147,8 @@ def speculative_from_args(args) -> dict | None:
 
     Raises:
         ValueError: a speculation flag without --draft, or --speculative-batch-size-table
-            with another --speculative-policy than batch_size_table.
+            with another --speculative-policy than batch_size_table. `-k 0` turns
+            speculation off (None).
     """
     given = [f for f in _SPEC_FLAGS if getattr(args, f) is not None]
     if not args.draft and given:
@@ -162,7 +163,7 @@ def speculative_from_args(args) -> dict | None:
             setattr(args, name, value)
     if args.speculative_policy is None:
         args.speculative_policy = "batch_size_table" if table is not None else "static"
-    if not args.draft:
+    if not args.draft or args.num_speculative_tokens == 0:  # -k 0: speculation off
         return None
     spec = {"num_speculative_tokens": args.num_speculative_tokens,
             "prompt_lookup_min": args.prompt_lookup_min,

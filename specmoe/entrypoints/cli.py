@@ -1,10 +1,13 @@
-"""The `specmoe` command line: `generate`, `demo`, `serve`, `bench`, `models` (install, list)
-`routing` (analyze), `study`, `advise` and `expert-placement`."""
+"""The `specmoe` command line: `generate`, `demo`, `serve`, `bench` (spec, throughput, serve,
+moe), `models` (install, list, synth, carve, card), `routing` (analyze), `study`, `advise` and
+`expert-placement`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+from pathlib import Path
 
 from specmoe.entrypoints.args import (add_expert_parallel_mode_args, add_model_args,
                                       add_spec_args, apply_threads, comma_list,
@@ -19,19 +22,24 @@ from specmoe.entrypoints.placement_cli import add_placement_parser, cmd_expert_p
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from specmoe import __version__
     parser = argparse.ArgumentParser(prog="specmoe", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"specmoe {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt")
     add_model_args(gen)
     add_spec_args(gen)
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--max-tokens", type=int, default=128,
+                     help="tokens to generate at most (default: %(default)s)")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="0 is greedy (default: %(default)s)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="(default: %(default)s: off)")
+    gen.add_argument("--top-k", type=int, default=0, help="(default: %(default)s: off)")
+    gen.add_argument("--min-p", type=float, default=0.0, help="(default: %(default)s: off)")
+    gen.add_argument("--seed", type=int, default=None, help="seeds the sampling (default: "
+                     "random)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--routing-trace", default=None, metavar="PATH",
@@ -44,8 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="MoE target shown beside --model, or 'none' (default: %(default)s)")
     demo.add_argument("--moe-draft", default="tiny-moe-draft",
                       help="draft model of --moe-model (default: %(default)s)")
-    demo.add_argument("--num-prompts", type=int, default=5)
-    demo.add_argument("--max-tokens", type=int, default=128)
+    demo.add_argument("--num-prompts", type=int, default=5,
+                      help="prompts per row (default: %(default)s)")
+    demo.add_argument("--max-tokens", type=int, default=128,
+                      help="tokens per prompt (default: %(default)s)")
     add_serve_parser(sub)
     add_models_parser(sub)
     add_bench_parser(sub)
@@ -124,23 +134,34 @@ def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench",
                                                                       required=True)
     spec = bench.add_parser("spec", help="speculative decoding on real prompt sets")
-    spec.add_argument("--target", default=d.target)
-    spec.add_argument("--draft", default=d.draft)
-    spec.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
+    spec.add_argument("--model", "--target", dest="target", default=d.target,
+                      help="target model: alias, HF directory or GGUF file (default: "
+                           "%(default)s)")
+    spec.add_argument("--draft", default=d.draft,
+                      help="draft model for the draft proposer (default: %(default)s)")
+    spec.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"],
+                      help="(default: %(default)s)")
     spec.add_argument("--quantization", default=None, choices=["int8", "int4"],
                       help="the target's weights in int8/int4 (default: --dtype)")
     spec.add_argument("--draft-quantization", default=d.draft_quantization,
-                      choices=["int8", "int4", "none"])
-    spec.add_argument("--datasets", type=comma_list(), default=",".join(d.datasets))
+                      choices=["int8", "int4", "none"], help="(default: %(default)s)")
+    spec.add_argument("--datasets", type=comma_list(), default=",".join(d.datasets),
+                      help="comma list of humaneval, mt_bench, gsm8k, spec_bench (default: "
+                           "%(default)s)")
     spec.add_argument("--num-prompts", type=int, default=d.num_prompts,
                       help="per data set (per category for Spec-Bench)")
     spec.add_argument("--spec-bench-categories", type=comma_list(),
-                      default=",".join(d.spec_bench_categories))
-    spec.add_argument("--proposers", type=comma_list(), default=",".join(d.proposers))
-    spec.add_argument("--ks", type=comma_list(int), default=",".join(map(str, d.ks)))
+                      default=",".join(d.spec_bench_categories),
+                      help="Spec-Bench categories (default: %(default)s)")
+    spec.add_argument("--proposers", type=comma_list(), default=",".join(d.proposers),
+                      help="comma list of draft, ngram (default: %(default)s)")
+    spec.add_argument("--ks", type=comma_list(int), default=",".join(map(str, d.ks)),
+                      help="K values to sweep (default: %(default)s)")
     spec.add_argument("--temperatures", type=comma_list(float),
-                      default=",".join(map(str, d.temperatures)))
-    spec.add_argument("--max-tokens", type=int, default=d.max_tokens)
+                      default=",".join(map(str, d.temperatures)),
+                      help="(default: %(default)s)")
+    spec.add_argument("--max-tokens", type=int, default=d.max_tokens,
+                      help="tokens per prompt (default: %(default)s)")
     spec.add_argument("--peers", type=comma_list(), default="",
                       help="comma list of transformers, llama-cpp (llama-cpp-python on the "
                            "GGUF file; install it with `make peers`)")
@@ -276,14 +297,12 @@ def add_bench_chaos_args(sv) -> None:
 
 
 def cmd_bench_serve(args) -> int:
-    import time
-    from pathlib import Path
 
     from specmoe.bench.serve import render_markdown, run_serve_bench, write_report
     if args.chaos:
         return cmd_bench_chaos(args)
     results = run_serve_bench(bench_serve_config(args))
-    out = Path(args.out or f"out/bench-serve-{time.strftime('%Y%m%d-%H%M')}")
+    out = (Path(args.out) if args.out else fresh_out_dir("bench-serve"))
     print(render_markdown(results))
     for path in write_report(results, out):
         print(path)
@@ -306,8 +325,6 @@ def bench_serve_config(args):
 
 def cmd_bench_chaos(args) -> int:
     """`bench serve --chaos RATE`: 0 when every check passed, else 1."""
-    import time
-    from pathlib import Path
 
     from specmoe.bench.chaos import (ChaosConfig, is_passed, render_chaos_markdown,
                                      run_chaos_bench)
@@ -316,7 +333,7 @@ def cmd_bench_chaos(args) -> int:
                         cancel_after_s=args.chaos_cancel_after,
                         max_request_bytes=args.chaos_max_request_bytes)
     results = run_chaos_bench(bench_serve_config(args), chaos)
-    out = Path(args.out or f"out/bench-serve-chaos-{time.strftime('%Y%m%d-%H%M')}")
+    out = (Path(args.out) if args.out else fresh_out_dir("bench-serve-chaos"))
     report = render_chaos_markdown(results)
     print(report)
     for path in write_report(results, out, report):
@@ -326,8 +343,6 @@ def cmd_bench_chaos(args) -> int:
 
 def cmd_bench_throughput(args) -> int:
     """0 when every run succeeded, else 1 (the report lists the errors)."""
-    import time
-    from pathlib import Path
 
     from specmoe.bench.throughput import (ThroughputBenchConfig, num_failed_runs,
                                           run_throughput_bench)
@@ -351,7 +366,7 @@ def cmd_bench_throughput(args) -> int:
         expert_placement=args.expert_placement,
         expert_parallel_timeout_s=args.expert_parallel_timeout, interleave=args.interleave,
         slice_seconds=args.slice_seconds, arrival=args.arrival)
-    out = Path(args.out or f"out/throughput-{time.strftime('%Y%m%d-%H%M')}")
+    out = (Path(args.out) if args.out else fresh_out_dir("throughput"))
     results = run_throughput_bench(cfg)
     for path in write_report(results, out):
         print(path)
@@ -413,8 +428,6 @@ def add_bench_moe_parser(bench) -> None:
 
 def cmd_bench_moe(args) -> int:
     import dataclasses
-    import time
-    from pathlib import Path
 
     import torch
 
@@ -453,7 +466,7 @@ def cmd_bench_moe(args) -> int:
                                                keep_dense=True))  # backends switch
 
     cases = [case(n) for n in names]  # a bad shape or overlap fails before any timing
-    out = Path(args.out or f"out/bench-moe-{time.strftime('%Y%m%d-%H%M')}")
+    out = (Path(args.out) if args.out else fresh_out_dir("bench-moe"))
     started, threads = time.perf_counter(), torch.get_num_threads()
     if args.smoke and args.threads is None:
         torch.set_num_threads(1)  # tiny shapes: more threads only add overhead
@@ -470,7 +483,6 @@ def cmd_bench_moe(args) -> int:
 
 
 def cmd_bench_spec(args) -> None:
-    from pathlib import Path
 
     from specmoe.bench.report import write_report
     from specmoe.bench.spec import SpecBenchConfig, run_spec_bench
@@ -503,6 +515,17 @@ def cmd_generate(args) -> None:
         llm.shutdown()
     print(out.text)
     print(format_stats(out), file=sys.stderr)
+
+
+def fresh_out_dir(prefix: str) -> Path:
+    """out/PREFIX-YYYYmmdd-HHMMSS, with -2, -3, ... added where a run of the same second
+    already wrote one: a default output folder never overwrites an earlier run's."""
+    base = Path("out") / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out, n = base, 1
+    while out.exists():
+        n += 1
+        out = base.with_name(f"{base.name}-{n}")
+    return out
 
 
 def format_stats(out) -> str:

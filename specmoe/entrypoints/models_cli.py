@@ -7,7 +7,7 @@ import sys
 
 
 def add_models_parser(sub) -> None:
-    models = sub.add_parser("models", help="install, list and carve models")
+    models = sub.add_parser("models", help="install, list, carve, synth and card models")
     models_sub = models.add_subparsers(dest="models_command", required=True)
     install = models_sub.add_parser("install", help="fetch, join and verify models")
     install.add_argument("names", nargs="+", metavar="NAME",
@@ -171,8 +171,15 @@ def cmd_carve(args) -> int:
 
 
 def format_model_rows(rows) -> str:
+    """The `models list` table: an installed model's size and path; for one not installed,
+    its download size where known and the command that installs it."""
+    from specmoe.carve.recipes import RECIPES
+    install_name = {recipe.alias: name for name, recipe in RECIPES.items()}
     lines = [f"{'alias':<24} {'role':<7} {'size':>10} {'installed':<9} path"]
     for r in rows:
-        lines.append(f"{r.alias:<24} {r.role:<7} {r.size_bytes / 1e6:>7.1f} MB "
-                     f"{'yes' if r.is_installed else 'no':<9} {r.path}")
+        size = f"{r.size_bytes / 1e6:>7.1f} MB" if r.size_bytes else f"{'-':>10}"
+        where = (str(r.path) if r.is_installed else "not installed: specmoe models install "
+                 f"{install_name.get(r.alias, r.alias)}")
+        lines.append(f"{r.alias:<24} {r.role:<7} {size} {'yes' if r.is_installed else 'no':<9} "
+                     f"{where}")
     return "\n".join(lines)

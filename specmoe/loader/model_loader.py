@@ -90,14 +90,27 @@ def resolve_device(device: str | None) -> torch.device:
     """`device` as a torch.device (None: CUDA when present, else the CPU).
 
     Raises:
-        ValueError: a name torch does not know, e.g. "tpu".
+        ValueError: a name torch does not know, e.g. "tpu", or a CUDA device where torch
+            has no CUDA or sees no such GPU.
     """
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return torch.device(device)
+        resolved = torch.device(device)
     except RuntimeError as exc:
         raise ValueError(f"invalid device={device!r}: use cpu, cuda or cuda:N") from exc
+    if resolved.type == "cuda":
+        _check_cuda(device, resolved)
+    return resolved
+
+
+def _check_cuda(name: str, device: torch.device) -> None:
+    if torch.version.cuda is None:
+        raise ValueError(f"invalid device={name!r}: this torch ({torch.__version__}) is a "
+                         "CPU-only build; install a CUDA build of torch or use --device cpu")
+    count = torch.cuda.device_count()
+    if (device.index or 0) >= count:
+        raise ValueError(f"invalid device={name!r}: torch sees {count} CUDA device(s)")
 
 
 def resolve_dtype(dtype: str, device: str | None) -> str:
