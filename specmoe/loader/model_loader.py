@@ -21,7 +21,7 @@ from specmoe.loader.hf_dir import iter_safetensors, read_hf_config
 from specmoe.loader.weights import load_weights
 from specmoe.models.decoder import DecoderModel
 from specmoe.models.registry import family_for
-from specmoe.utils import hugepages, memory
+from specmoe.utils import hugepages, memory, progress
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -141,12 +141,15 @@ def load_model(config: ModelConfig, on_weights=None) -> LoadedModel:
     check_weights_fit(path, arch, dtype, device)
     with default_dtype(dtype), device:
         model = DecoderModel(arch, max_len)
-    load_weights(model, _to_device(tensors, device), family.WEIGHT_RULES,
-                 arch.tie_word_embeddings)
+    report = progress.current()
+    load_weights(model, report.items(_to_device(tensors, device), f"loading {path.name}",
+                                     size=lambda item: item[1].nbytes),
+                 family.WEIGHT_RULES, arch.tie_word_embeddings)
     if on_weights is not None:
         on_weights(model)
     if config.quantization is not None:
-        quantize_model(model, config.quantization)
+        with report.phase(f"quantising the weights to {config.quantization}"):
+            quantize_model(model, config.quantization)
     prepare_for_inference(model, device, dtype, config.moe_backend)
     return LoadedModel(model, arch, path, device, dtype, max_len)
 
@@ -213,8 +216,9 @@ def prepare_for_inference(model: torch.nn.Module, device: torch.device, dtype: t
                                                    _native_bf16(device, dtype)))
     if device.type == "cpu":
         # the bf16 kernel's panel copies replace the dense weights, and move with the rest:
-        prepack_weights(model, release_dense=not keep_dense)
-        hugepages.rehome_module(model)  # decoding streams the weights: 2 MiB pages
+        with progress.current().phase("preparing the weights for the CPU kernels"):
+            prepack_weights(model, release_dense=not keep_dense)
+            hugepages.rehome_module(model)  # decoding streams the weights: 2 MiB pages
         panel_prefetch_tune.tune(packed_copies(model))
 
 

@@ -77,3 +77,39 @@ def test_a_prompt_longer_than_the_tokenizers_max_length_gives_no_warning(capfd):
     with pytest.raises(ValueError, match="leave no room to generate within max_model_len"):
         llm.make_request(text)  # the engine's own limit, in its own words
     assert "Token indices sequence length" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_generate_streams_the_text_of_plain_generation_and_shows_the_load(stream, capsys):
+    """Streamed or not, the text printed is what `LLM.generate` returns (a stop string in
+    the middle: the streamed text holds back what may start one, then stops before it);
+    stderr names the weights loaded with their count."""
+    from specmoe import LLM, SamplingParams
+    args = ["generate", "--model", "tiny-moe", "--dtype", "float32", "--draft",
+            "tiny-moe-draft", "--prompt", "The history of", "--max-tokens", "40",
+            "--stop", "States, the"] + ([] if stream else ["--no-stream"])
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    want = LLM("tiny-moe", dtype="float32").generate(
+        "The history of", SamplingParams(temperature=0, max_tokens=40, stop=["States, the"]))[0]
+    assert want.finish_reason == "stop"
+    assert out == want.text + "\n"
+    assert "specmoe: loading tiny-moe: 422 tensors" in err
+
+
+def test_stream_generate_writes_as_tokens_are_accepted():
+    from specmoe import LLM, SamplingParams
+    from specmoe.entrypoints.cli import stream_generate
+
+    class Chunks(list):
+        def write(self, text):
+            self.append(text)
+
+        def flush(self):
+            pass
+    llm = LLM("tiny-moe", dtype="float32")
+    chunks = Chunks()
+    out = stream_generate(llm, "The history of", SamplingParams(temperature=0, max_tokens=24),
+                          chunks)
+    assert len(chunks) > 5 and "".join(chunks) == out.text
+    assert not llm.engine.has_unfinished_requests
