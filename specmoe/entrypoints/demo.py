@@ -1,13 +1,15 @@
 """`specmoe demo`: plain vs speculative decoding on real prompts, for a dense target and a MoE
 target, in one table.
 
-Each pair loads once; one engine serves both modes (speculation is turned off per request
-with K = 0). Before anything is timed, one plain and one speculative generation run on a
-prompt outside the set, so first-call costs (kernel builds, weight packing, allocator
-growth) are not counted as decoding. Then each prompt runs in both modes back to back,
-the order alternating from prompt to prompt, so both see the same machine state. Greedy
-decoding is lossless: the "same" column compares the token ids of the two runs. The prefix
-cache is emptied before each timed run, so neither mode reuses the other's prefill.
+Each pair loads once and runs three modes: plain (speculation off per request with K = 0),
+static (every request drafts K) and adaptive (the adaptive policy's engine over the same
+loaded target: K per request and step, 0 where it cannot pay). Before anything is timed,
+each mode generates once on a prompt outside the set, so first-call costs (kernel builds,
+weight packing, allocator growth) are not counted as decoding. Then each prompt runs in
+every mode back to back, the order rotating from prompt to prompt, so all see the same
+machine state. Greedy decoding is lossless: the "same" column compares the token ids of the
+three runs. The prefix cache is emptied before each timed run, so no mode reuses another's
+prefill. Under the table, one line per pair says why speculation paid or not there.
 """
 
 from __future__ import annotations
@@ -39,14 +41,20 @@ class DemoPair:
     chat: bool
 
 
+# The columns of speculation beside plain decoding: every request drafting K ("static"), and
+# the adaptive policy choosing K per request and step from measured acceptance and step time
+# (0 where speculation cannot pay).
+SPEC_MODES = ("static", "adaptive")
+
+
 @dataclass
 class DemoRow:
+    """One prompt of one pair: `runs[mode]` = (RequestOutput, seconds) for "plain" and each
+    of SPEC_MODES."""
+
     label: str
     category: str
-    plain: object  # RequestOutput
-    plain_s: float
-    spec: object
-    spec_s: float
+    runs: dict
 
 
 def demo_pairs(args) -> list[DemoPair]:
@@ -76,22 +84,69 @@ def _proposer(spec: dict) -> str:
 def run_demo(args) -> None:
     from specmoe import SamplingParams
     console = Console()
+    if not console.is_terminal:  # a pipe or a log: the whole table, not cut to 80 columns
+        console = Console(width=140)
     pairs = demo_pairs(args)
     prompts = one_per_category("spec_bench", DEMO_CATEGORIES)[:args.num_prompts]
     apply_threads(args)
     # K = None: the request drafts as many tokens as its engine's proposer was set up for.
-    modes = {mode: SamplingParams(temperature=0, max_tokens=args.max_tokens,
-                                  num_speculative_tokens=k)
-             for mode, k in (("plain", 0), ("spec", None))}
+    params = {mode: SamplingParams(temperature=0, max_tokens=args.max_tokens,
+                                   num_speculative_tokens=0 if mode == "plain" else None)
+              for mode in ("plain", *SPEC_MODES)}
     rows: list[DemoRow] = []
+    notes = []
     for pair in pairs:
         llm = _load(console, pair, args)
+        engines = {"plain": llm, "static": llm,
+                   "adaptive": llm.with_speculative({**pair.speculative, "policy": "adaptive"})}
         texts = [_prompt(llm, pair, p.text, args.max_tokens) for p in prompts]
-        rows += _run_pair(console, llm, pair, texts, [p.category for p in prompts], modes,
-                          args.max_tokens)
-        del llm
+        mine = _run_pair(console, engines, pair, texts, [p.category for p in prompts], params,
+                         args.max_tokens)
+        rows += mine
+        notes.append(why_line(pair, llm, mine))
+        del llm, engines
     console.print(_table(rows, args, [p.label for p in pairs]))
+    for note in notes:
+        console.print(note, markup=False, soft_wrap=True)
     _print_sample(console, rows[0])
+
+
+def why_line(pair: DemoPair, llm, rows: list[DemoRow]) -> str:
+    """One line of why speculation pays or not on this pair, from what the run measured and
+    the machine: the target's weight bytes against the last-level cache, drafting's share of
+    the static mode's time, tokens per step, and both modes' pooled speed-ups."""
+    stats = [r.runs["static"][0].spec_stats for r in rows]
+    draft_share = sum(s.draft_time_s for s in stats) / sum(r.runs["static"][1] for r in rows)
+    steps = sum(s.num_drafts for s in stats)
+    per_step = 1 + sum(s.num_accepted_tokens for s in stats) / max(steps, 1)
+    model = llm.target.model
+    weights = sum(t.nbytes for t in (*model.parameters(), *model.buffers()))
+    l3 = last_level_cache_bytes()
+    where = ("" if l3 is None else
+             f", {'inside' if weights <= l3 else 'beyond'} this CPU's {l3 / 1e6:.0f} MB "
+             "last-level cache")
+    static, adaptive = pooled_speedup(rows, "static"), pooled_speedup(rows, "adaptive")
+    verdict = (f"each step's {per_step:.2f} tokens outweigh its drafting and the wider "
+               "verification" if static >= 1 else
+               f"{per_step:.2f} tokens a step do not pay for the drafting and the wider "
+               "verification, so the adaptive policy holds K at or near 0")
+    return (f"why, {pair.model}: {weights / 1e6:.0f} MB of weights{where}; drafting took "
+            f"{draft_share:.0%} of the static mode's time; static {static:.2f}x, adaptive "
+            f"{adaptive:.2f}x plain: {verdict}.")
+
+
+def last_level_cache_bytes() -> int | None:
+    """The size of the CPU's last-level (L3) cache from sysfs, or None where unknown."""
+    from pathlib import Path
+    for level in ("index3", "index2"):
+        path = Path(f"/sys/devices/system/cpu/cpu0/cache/{level}/size")
+        try:
+            text = path.read_text().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+        return int(text.rstrip("KM")) * scale
+    return None
 
 
 def _load(console: Console, pair: DemoPair, args):
@@ -122,56 +177,68 @@ def _prompt(llm, pair: DemoPair, text: str, max_tokens: int) -> str | list[int]:
                          max_length=budget)["input_ids"]
 
 
-def _run_pair(console, llm, pair, texts, categories, modes, max_tokens) -> list[DemoRow]:
-    """Warm-up (untimed), then each prompt in both modes, the order alternating."""
-    rows = []
+def _run_pair(console, engines, pair, texts, categories, params, max_tokens
+              ) -> list[DemoRow]:
+    """Warm-up (untimed), then each prompt in every mode, the order rotating from prompt to
+    prompt so no mode always runs first."""
+    rows, modes = [], list(params)
     with _progress(console) as progress:
         task = progress.add_task(f"{pair.label}: warm-up", total=None)
-        warm = _prompt(llm, pair, WARM_UP_PROMPT, max_tokens)
-        for params in modes.values():
-            llm.generate(warm, params)
+        warm = _prompt(engines["plain"], pair, WARM_UP_PROMPT, max_tokens)
+        for mode in modes:
+            engines[mode].generate(warm, params[mode])
         for i, (text, category) in enumerate(zip(texts, categories)):
             progress.update(task, description=f"{pair.label}: prompt {i + 1}/{len(texts)}")
-            timed = {}
-            for mode in (("plain", "spec") if i % 2 == 0 else ("spec", "plain")):
-                llm.reset_prefix_cache()  # the second mode would reuse the first's prefill
+            runs = {}
+            for mode in modes[i % len(modes):] + modes[:i % len(modes)]:
+                engines[mode].reset_prefix_cache()  # or a mode reuses another's prefill
                 t = time.perf_counter()
-                out = llm.generate(text, modes[mode])[0]
-                timed[mode] = (out, time.perf_counter() - t)
-            rows.append(DemoRow(pair.short, category, *timed["plain"], *timed["spec"]))
+                out = engines[mode].generate(text, params[mode])[0]
+                runs[mode] = (out, time.perf_counter() - t)
+            rows.append(DemoRow(pair.short, category, runs))
     return rows
 
 
 def _table(rows: list[DemoRow], args, labels: list[str]) -> Table:
     table = Table(title=f"plain vs speculative decoding, end-to-end tokens/s: greedy, up to "
-                        f"{args.max_tokens} tokens, after a warm-up; same: identical tokens",
+                        f"{args.max_tokens} tokens, after a warm-up; static: every request "
+                        f"drafts K; adaptive: K per request and step, 0 where it cannot pay; "
+                        f"x: speed-up over plain; same: identical tokens in all three",
                   caption="; ".join(labels))
-    for col in ("prompt", "tokens", "plain", "spec", "speedup", "accept. len", "same"):
+    for col in ("prompt", "tokens", "plain", "static", "adaptive", "static x",
+                "adaptive x", "accept. len", "same"):
         table.add_column(col, justify="left" if col == "prompt" else "right",
                          min_width=18 if col == "prompt" else None, no_wrap=col == "prompt")
     for label in dict.fromkeys(r.label for r in rows):
         mine = [r for r in rows if r.label == label]
         table.add_row(f"[bold]{label}[/bold]")
         for r in mine:
-            table.add_row(r.category, str(len(r.plain.token_ids)),
-                          f"{len(r.plain.token_ids) / r.plain_s:.1f}",
-                          f"{len(r.spec.token_ids) / r.spec_s:.1f}",
-                          f"{r.plain_s / r.spec_s:.2f}x",
-                          f"{r.spec.spec_stats.mean_acceptance_length:.2f}",
-                          "yes" if r.plain.token_ids == r.spec.token_ids else "[red]NO[/red]")
-        table.add_row("[bold]pooled[/bold]", "", "", "", f"[bold]{pooled_speedup(mine):.2f}x[/bold]",
-                      "", f"{sum(r.plain.token_ids == r.spec.token_ids for r in mine)}"
-                      f"/{len(mine)}", end_section=True)
+            plain_out, plain_s = r.runs["plain"]
+            speeds = [f"{len(r.runs[m][0].token_ids) / r.runs[m][1]:.1f}"
+                      for m in ("plain", *SPEC_MODES)]
+            ratios = [f"{plain_s / r.runs[m][1]:.2f}x" for m in SPEC_MODES]
+            table.add_row(r.category, str(len(plain_out.token_ids)), *speeds, *ratios,
+                          f"{r.runs['static'][0].spec_stats.mean_acceptance_length:.2f}",
+                          "yes" if _same(r) else "[red]NO[/red]")
+        pooled = [f"[bold]{pooled_speedup(mine, m):.2f}x[/bold]" for m in SPEC_MODES]
+        table.add_row("[bold]pooled[/bold]", "", "", "", "", *pooled, "",
+                      f"{sum(map(_same, mine))}/{len(mine)}", end_section=True)
     return table
 
 
-def pooled_speedup(rows: list[DemoRow]) -> float:
-    """Total tokens/s with speculation over total tokens/s without, over the timed runs."""
-    plain = sum(len(r.plain.token_ids) for r in rows) / sum(r.plain_s for r in rows)
-    spec = sum(len(r.spec.token_ids) for r in rows) / sum(r.spec_s for r in rows)
-    return spec / plain
+def _same(row: DemoRow) -> bool:
+    ids = [out.token_ids for out, _ in row.runs.values()]
+    return all(i == ids[0] for i in ids)
+
+
+def pooled_speedup(rows: list[DemoRow], mode: str = "static") -> float:
+    """Total tokens/s in `mode` over total tokens/s of plain decoding, over the timed runs."""
+    def rate(m: str) -> float:
+        return (sum(len(r.runs[m][0].token_ids) for r in rows)
+                / sum(r.runs[m][1] for r in rows))
+    return rate(mode) / rate("plain")
 
 
 def _print_sample(console: Console, row: DemoRow) -> None:
-    console.print(f"\n[bold]{row.label}, {row.category}[/bold] output (both modes):")
-    console.print(row.plain.text[:600], markup=False)
+    console.print(f"\n[bold]{row.label}, {row.category}[/bold] output (every mode):")
+    console.print(row.runs["plain"][0].text[:600], markup=False)
