@@ -193,3 +193,36 @@ def _model_accuracy(fit: dict) -> list[str]:
         out.append(f"- The fit set these cost-model terms to zero: {', '.join(zero)} (they "
                    "did not help explain the fitted timings on this machine).")
     return out
+
+
+# A point's repetitions spread more than this (max / min - 1): the machine was busy.
+NOISY_SPREAD = 0.25
+# A cost model this far off (median relative error) describes the noise, not the machine.
+NOISY_MODEL_ERROR = 0.15
+
+
+def measurement_warnings(presets: dict[str, dict], fit: dict) -> list[str]:
+    """Warnings for figures no machine can produce or that noise decided: verifying T > 1
+    tokens measured cheaper than 1 (Tt(B, T) / Tt(B, 1) < 1), repetitions that spread by
+    more than NOISY_SPREAD, and a cost model off by more than NOISY_MODEL_ERROR."""
+    out = []
+    for name, res in presets.items():
+        for p in res["points"]:
+            ratio = verification_ratio(res, p["B"], p["T"]) if p["T"] > 1 else None
+            if ratio is not None and ratio < 1:
+                out.append(f"{name}: Tt({p['B']}, {p['T']}) / Tt({p['B']}, 1) = {ratio:.2f} "
+                           f"< 1, verifying {p['T']} tokens measured cheaper than 1: noise; "
+                           "rerun with more --reps on a quiet machine")
+        spread = [(p, max(p["seconds"]) / min(p["seconds"]) - 1) for p in res["points"]
+                  if len(p.get("seconds", ())) > 1]
+        noisy = [(p, s) for p, s in spread if s > NOISY_SPREAD]
+        if noisy:
+            p, s = max(noisy, key=lambda x: x[1])
+            out.append(f"{name}: {len(noisy)} of {len(res['points'])} points spread by more "
+                       f"than {NOISY_SPREAD:.0%} over their repetitions (worst: B={p['B']}, "
+                       f"T={p['T']}, {s:.0%}): the machine was busy")
+    error = fit.get("errors", {}).get("all", {}).get("cost_model", {}).get("median")
+    if error is not None and error > NOISY_MODEL_ERROR:
+        out.append(f"the cost model's median error is {error:.0%} (above "
+                   f"{NOISY_MODEL_ERROR:.0%}): its predictions fit the noise, not the machine")
+    return out

@@ -4,7 +4,9 @@ speculation and thread options with the LLM they build."""
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 from specmoe.config import EXPERT_PARALLEL_DISPATCH, MOE_BACKEND_CHOICES, SPECULATIVE_POLICIES
 from specmoe.loader.aliases import DEFAULT_MODEL
@@ -183,3 +185,14 @@ def llm_from_args(args, speculative: dict | None):
     return LLM(args.model, speculative=speculative, dtype=args.dtype, device=args.device,
                max_model_len=args.max_model_len, quantization=args.quantization,
                moe_backend=args.moe_backend, **expert_parallel_kwargs(args))
+
+
+def fresh_out_dir(prefix: str) -> Path:
+    """out/PREFIX-YYYYmmdd-HHMMSS, with -2, -3, ... added where a run of the same second
+    already wrote one: a default output folder never overwrites an earlier run's."""
+    base = Path("out") / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out, n = base, 1
+    while out.exists():
+        n += 1
+        out = base.with_name(f"{base.name}-{n}")
+    return out

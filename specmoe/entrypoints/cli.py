@@ -11,8 +11,8 @@ from pathlib import Path
 
 from specmoe.entrypoints.args import (add_expert_parallel_mode_args, add_model_args,
                                       add_spec_args, apply_threads, comma_list,
-                                      expert_parallel_kwargs, json_dict, llm_from_args,
-                                      speculative_from_args)
+                                      expert_parallel_kwargs, fresh_out_dir, json_dict,
+                                      llm_from_args, speculative_from_args)
 from specmoe.entrypoints.routing_cli import (add_routing_parser, check_trace_path, cmd_routing,
                                              generate_with_trace)
 from specmoe.entrypoints.advise_cli import add_advise_parser
@@ -547,17 +547,6 @@ def stream_generate(llm, prompt, params, stream):
                 return finished[0]
     finally:  # an error or Ctrl-C must not leave the request holding KV cache blocks
         llm.engine.abort_request(req.request_id)
-
-
-def fresh_out_dir(prefix: str) -> Path:
-    """out/PREFIX-YYYYmmdd-HHMMSS, with -2, -3, ... added where a run of the same second
-    already wrote one: a default output folder never overwrites an earlier run's."""
-    base = Path("out") / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
-    out, n = base, 1
-    while out.exists():
-        n += 1
-        out = base.with_name(f"{base.name}-{n}")
-    return out
 
 
 def format_stats(out) -> str:

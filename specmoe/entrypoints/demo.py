@@ -121,6 +121,7 @@ def why_line(pair: DemoPair, llm, rows: list[DemoRow]) -> str:
     per_step = 1 + sum(s.num_accepted_tokens for s in stats) / max(steps, 1)
     model = llm.target.model
     weights = sum(t.nbytes for t in (*model.parameters(), *model.buffers()))
+    from specmoe.analysis.presets import last_level_cache_bytes
     l3 = last_level_cache_bytes()
     where = ("" if l3 is None else
              f", {'inside' if weights <= l3 else 'beyond'} this CPU's {l3 / 1e6:.0f} MB "
@@ -133,20 +134,6 @@ def why_line(pair: DemoPair, llm, rows: list[DemoRow]) -> str:
     return (f"why, {pair.model}: {weights / 1e6:.0f} MB of weights{where}; drafting took "
             f"{draft_share:.0%} of the static mode's time; static {static:.2f}x, adaptive "
             f"{adaptive:.2f}x plain: {verdict}.")
-
-
-def last_level_cache_bytes() -> int | None:
-    """The size of the CPU's last-level (L3) cache from sysfs, or None where unknown."""
-    from pathlib import Path
-    for level in ("index3", "index2"):
-        path = Path(f"/sys/devices/system/cpu/cpu0/cache/{level}/size")
-        try:
-            text = path.read_text().strip().upper()
-        except OSError:
-            continue
-        scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
-        return int(text.rstrip("KM")) * scale
-    return None
 
 
 def _load(console: Console, pair: DemoPair, args):

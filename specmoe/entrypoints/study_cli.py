@@ -14,8 +14,9 @@ from specmoe.analysis.presets import PRESETS, TARGET_PRESETS, Preset
 from specmoe.analysis.speedup import parse_acceptance_lengths
 from specmoe.analysis.study_config import (ROUTINGS, StudyConfig, StudyPlan, plan_study,
                                            prepare_out_dir)
+from specmoe.analysis.study_findings import findings, measurement_warnings
 from specmoe.analysis.study_report import write_outputs
-from specmoe.entrypoints.args import apply_threads, comma_list
+from specmoe.entrypoints.args import apply_threads, comma_list, fresh_out_dir
 
 
 def _acceptance_arg(text: str) -> dict[int, float]:
@@ -36,8 +37,9 @@ def add_study_parser(sub) -> None:
     p = sub.add_parser("study", help="when does speculation pay on MoE vs dense: measured "
                        "verification cost, cost model, routing analysis, speedup report")
     d = StudyConfig()
-    p.add_argument("--out", default="study-report",
-                   help="report directory, created if missing (default: %(default)s)")
+    p.add_argument("--out", default=None,
+                   help="report directory, created if missing (default: "
+                        "out/study-DATE-TIME)")
     p.add_argument("--quick", action="store_true",
                    help="a first look in a few minutes: " + ", ".join(
                        f"--{k.replace('_', '-')} {_show(v)}" for k, v in QUICK.items())
@@ -164,7 +166,7 @@ def cmd_real_study(args) -> int:
     from specmoe.analysis.real_study import run_real_study
     from specmoe.analysis.real_study_report import write_real_outputs
     cfg = real_config_from_args(args)
-    out = prepare_out_dir(args.out)
+    out = prepare_out_dir(args.out or fresh_out_dir("study"))
     console = Console(stderr=True)
     results = run_real_study(cfg, lambda msg: console.print(f"[bold]{msg}[/]"))
     write_real_outputs(results, out)
@@ -188,7 +190,7 @@ def cmd_reanalyse(args) -> int:
         raise ValueError(f"--reanalyse {args.reanalyse}: not the results.json of a "
                          "real-model study (specmoe study --models ...)")
     results["analysis"] = analyse(results, st.cm.MachineProfile.from_json(results["machine"]))
-    out = prepare_out_dir(args.out)
+    out = prepare_out_dir(args.out or fresh_out_dir("study"))
     write_real_outputs(results, out)
     Console(stderr=True).print(f"report: {out / 'report.md'}")
     return 0
@@ -202,10 +204,13 @@ def cmd_study(args) -> int:
         return cmd_real_study(args)
     cfg = config_from_args(args)
     plan = plan_study(cfg)
-    out = prepare_out_dir(args.out)
+    out = prepare_out_dir(args.out or fresh_out_dir("study"))
     console = Console(stderr=True)
     results, routing_analysis = run_study(cfg, plan, console)
     write_outputs(results, out, routing_analysis)
+    console.print("[bold]findings[/]")
+    for line in findings(results):
+        console.print(line, markup=False)
     console.print(f"report: {out / 'report.md'}")
     return 0
 
@@ -269,6 +274,9 @@ def run_study(cfg: StudyConfig, plan: StudyPlan, console: Console):
             progress.update(task, description="end-to-end check")
             e2e = st.e2e_check(cfg, step)
     fit = st.fit_and_predict(presets, machine, cfg.context_len)
+    for w in measurement_warnings(presets, fit):
+        console.print(f"[yellow]warning:[/] {w}")
+        warnings.append(w)
     return {"config": st.dataclasses.asdict(cfg), "machine": st.machine_json(machine, plan.device),
             "presets": presets, "draft": draft, "cost_model": fit, "warnings": warnings,
             "acceptance": {"source": plan.acceptance_source, "lengths": plan.acceptance},

@@ -177,3 +177,23 @@ def test_quick_fills_only_what_is_not_given():
     full = parse()
     assert (full.batch_sizes, full.reps) == (StudyConfig().batch_sizes, StudyConfig().reps)
     assert full.dtype in ("bfloat16", "float32")  # auto, resolved for this machine
+
+
+def _point(b: int, t: int, seconds: list[float]) -> dict:
+    return {"B": b, "T": t, "seconds": seconds, "min_s": min(seconds)}
+
+
+def test_impossible_and_noisy_points_are_named():
+    """Verifying 5 tokens measured cheaper than 1, repetitions 60% apart and a cost model
+    38% off each give a warning naming the figure; a clean grid gives none."""
+    from specmoe.analysis.study_findings import measurement_warnings
+    noisy = {"moe": {"points": [_point(4, 1, [1.0, 1.1]), _point(4, 5, [0.86, 1.38])]}}
+    fit = {"errors": {"all": {"cost_model": {"median": 0.38}}}}
+    warnings = measurement_warnings(noisy, fit)
+    assert any("Tt(4, 5) / Tt(4, 1) = 0.86 < 1" in w for w in warnings)
+    assert any("1 of 2 points spread by more than 25%" in w and "T=5, 60%" in w
+               for w in warnings)
+    assert any("median error is 38%" in w for w in warnings)
+    clean = {"moe": {"points": [_point(4, 1, [1.0, 1.05]), _point(4, 5, [1.3, 1.35])]}}
+    assert measurement_warnings(clean, {"errors": {"all": {"cost_model": {"median": 0.05}}}}) \
+        == []

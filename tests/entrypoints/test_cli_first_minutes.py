@@ -10,7 +10,8 @@ from importlib.metadata import version
 import pytest
 
 import specmoe
-from specmoe.entrypoints.cli import build_parser, fresh_out_dir, main
+from specmoe.entrypoints.args import fresh_out_dir
+from specmoe.entrypoints.cli import build_parser, main
 
 
 def test_version_flag_and_attribute(capsys):
