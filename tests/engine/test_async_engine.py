@@ -8,6 +8,7 @@ isolation and the final-output path run on the real engine.
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -61,6 +62,7 @@ class ScriptedLLM:
     def __init__(self, tokenizer, script: list[int]) -> None:
         self.processor = OutputProcessor(tokenizer, set(), 10_000)
         self.engine = _ScriptedEngine()
+        self.target = SimpleNamespace(failure=None)  # a working target, as ModelRunner's
         self.script = script
 
     def add_request(self, req: Request) -> None:
