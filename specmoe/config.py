@@ -6,6 +6,7 @@ metadata turned into one) by the model family's parser in `specmoe.models`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
@@ -435,15 +436,21 @@ class SchedulerConfig:
         block_size: token positions per KV cache block.
         num_kv_blocks: KV cache blocks of the target model; None sizes the cache from
             `kv_cache_memory_bytes` (capped at what max_num_seqs full-length requests need).
-        kv_cache_memory_bytes: memory for the target's KV cache when num_kv_blocks is None.
+        kv_cache_memory_bytes: memory for the target's KV cache when num_kv_blocks is None
+            (default: $SPECMOE_KV_CACHE_SPACE GiB if set, as vLLM's CPU backend reads
+            VLLM_CPU_KVCACHE_SPACE, else 1 GiB; each engine allocates its own).
         enable_prefix_caching: requests sharing a prompt prefix reuse its full KV blocks.
+
+    Raises:
+        ValueError: a size that is not an int >= 1, or a $SPECMOE_KV_CACHE_SPACE that is not
+            a number of GiB > 0.
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int = 1 << 30
+    kv_cache_memory_bytes: int = field(default_factory=lambda: default_kv_cache_bytes())
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -455,6 +462,27 @@ class SchedulerConfig:
                                                or self.num_kv_blocks < 1):
             raise ValueError(f"invalid num_kv_blocks={self.num_kv_blocks!r}: must be None or "
                              "an int >= 1")
+
+
+KV_CACHE_SPACE_ENV = "SPECMOE_KV_CACHE_SPACE"
+
+
+def default_kv_cache_bytes() -> int:
+    """$SPECMOE_KV_CACHE_SPACE (GiB, a number > 0) in bytes, else 1 GiB.
+
+    Raises:
+        ValueError: naming the variable and its value, when it is not a number > 0.
+    """
+    text = os.environ.get(KV_CACHE_SPACE_ENV, "").strip()
+    if not text:
+        return 1 << 30
+    try:
+        gib = float(text)
+    except ValueError:
+        gib = float("nan")
+    if not 0 < gib < float("inf"):
+        raise ValueError(f"invalid {KV_CACHE_SPACE_ENV}={text!r}: must be a number of GiB > 0")
+    return max(1, int(gib * (1 << 30)))
 
 
 def _check_quantization(name: str, value: str | None) -> None:

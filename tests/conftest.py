@@ -1,8 +1,15 @@
-"""Shared fixtures, and the `slow` marker on every test that loads a real model."""
+"""Shared fixtures, the `slow` marker on every test that loads a real model, and a KV cache
+budget sized for tests."""
 
 from __future__ import annotations
 
 import os
+
+# Each engine allocates (and zeroes) its KV cache; at the engines' default of 1 GiB, a test
+# holding a target, a draft and `with_speculative` copies reached several GiB. 256 MiB hold
+# every test's requests; a test that wants another size passes its own. Subprocesses that
+# tests start inherit it.
+os.environ.setdefault("SPECMOE_KV_CACHE_SPACE", "0.25")
 
 import pytest
 from kernel_checks import require_kernel
@@ -59,3 +66,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The run's peak memory (`make test` is held to 6 GiB, `make test-fast` to 3 GiB):
+    this process's resident set and the largest of the processes it started and waited
+    for (servers, expert-parallel ranks)."""
+    import resource
+    gib = 1 << 20  # ru_maxrss is in KiB on Linux
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / gib
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / gib
+    terminalreporter.write_line(f"peak resident memory: {own:.2f} GiB (pytest), "
+                                f"{children:.2f} GiB (largest child process)")

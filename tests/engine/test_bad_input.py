@@ -299,3 +299,20 @@ def test_smallest_safe_temperature_samples_the_greedy_token(tiny_llm):
     tiny = tiny_llm.generate([[3, 4, 5]], SamplingParams(
         temperature=MIN_TEMPERATURE, max_tokens=4, ignore_eos=True, seed=1))[0]
     assert tiny.token_ids == greedy.token_ids
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "lots", "nan", "inf"])
+def test_bad_kv_cache_space_is_named(monkeypatch, value):
+    from specmoe.config import SchedulerConfig
+    monkeypatch.setenv("SPECMOE_KV_CACHE_SPACE", value)
+    with pytest.raises(ValueError, match=f"invalid SPECMOE_KV_CACHE_SPACE='{value}'"):
+        SchedulerConfig()
+
+
+def test_kv_cache_space_sets_the_default_budget(monkeypatch):
+    from specmoe.config import SchedulerConfig
+    monkeypatch.setenv("SPECMOE_KV_CACHE_SPACE", "0.5")
+    assert SchedulerConfig().kv_cache_memory_bytes == 1 << 29
+    monkeypatch.delenv("SPECMOE_KV_CACHE_SPACE")
+    assert SchedulerConfig().kv_cache_memory_bytes == 1 << 30
+    assert SchedulerConfig(kv_cache_memory_bytes=4096).kv_cache_memory_bytes == 4096

@@ -207,7 +207,8 @@ def _moe_blocks(num: int, h: int = 64, i: int = 32, n: int = 8) -> torch.nn.Modu
     return blocks.to(torch.bfloat16).requires_grad_(False)
 
 
-def test_released_dense_weights_quantise_from_their_packed_copies():
+def test_released_dense_weights_quantise_from_their_packed_copies(enabled):
+    """Packed copies replace the dense weights only where the native kernels run."""
     experts = _experts(8, 64, 32, seed=4)
     want = QuantizedRoutedExperts.from_experts(experts, "int4")
     prepack_weights(experts, release_dense=True)
@@ -283,7 +284,8 @@ PROMPTS = ["The city council approved the new budget on Tuesday, and the mayor s
            "def fibonacci(n):\n    if n < 2:\n        return n\n    return"]
 
 
-def test_tiny_moe_int4_quantises_the_experts_and_generates(tiny_moe_int4, monkeypatch):
+def test_tiny_moe_int4_quantises_the_experts_and_generates(enabled, tiny_moe_int4, monkeypatch):
+    """On the native kernels (the fused decoder driver runs only there)."""
     model = tiny_moe_int4.target.model
     blocks = moe_blocks(model)
     assert blocks and all(isinstance(b.experts, QuantizedRoutedExperts)
