@@ -481,9 +481,10 @@ def int4_unpack_dequantize(packed: torch.Tensor, scales: torch.Tensor, zeros: to
 def speculation_caveat(model: nn.Module) -> str | None:
     """Why greedy speculative decoding on `model` may not give the tokens of plain decoding
     because of its quantised layers or experts (their sums change order with the rows of a
-    forward), or None where they cannot: nothing quantised, or only int4 layers and experts
-    on our CPU kernel in batch-invariant mode (`gemv_int4.set_batch_invariant`). Judged
-    now: switching kernels or the mode later changes the answer.
+    forward), or None where they cannot: nothing quantised, or only int4 experts (no dense
+    int4 layer: `UNEXPLAINED_INT4_DIVERGENCE`) on our CPU kernel in batch-invariant mode
+    (`gemv_int4.set_batch_invariant`). Judged now: switching kernels or the mode later
+    changes the answer.
     """
     layers = [m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
     experts = [m for m in model.modules() if isinstance(m, QuantizedRoutedExperts)]
@@ -500,12 +501,24 @@ def speculation_caveat(model: nn.Module) -> str | None:
             m._kernel_views() is None for m in experts):
         return (f"our int4 kernel cannot run ({reason or 'unsupported layer'}), and torch's "
                 "int4 kernel and the plain-torch reference are not batch-invariant")
+    if layers:
+        return UNEXPLAINED_INT4_DIVERGENCE
     if gemv_int4.is_batch_invariant():
         return None
     return (f"its kernel sums a token's outputs in one order only up to "
             f"{gemv_int4.MAX_SPLIT_ROWS} rows per forward (per expert for MoE experts; e.g. "
             f"4 requests with K <= 7; {gemv_int4.BATCH_INVARIANT_ENV}=1: any number, slower "
             "prefill)")
+
+
+# Dense int4 layers on our kernel: the kernel gives each row its bits alone, yet greedy
+# prompt lookup on SmolLM2-135M int4 (bf16, K = 4) has given other tokens than plain
+# decoding at a near-tie, in both modes of the kernel; until the op that differs is found,
+# no equality is claimed (tests/engine/test_int4_lossless.py reproduces it).
+UNEXPLAINED_INT4_DIVERGENCE = (
+    "its dense int4 layers have given other greedy tokens than plain decoding at a near-tie "
+    "(SmolLM2-135M with prompt lookup, in either mode of the int4 kernel), for a reason not "
+    "yet found")
 
 
 def can_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> bool:

@@ -315,9 +315,9 @@ def test_int4_model_same_greedy_tokens_kernel_on_and_off(enabled, tiny_dir, monk
 
 def test_speculation_on_a_quantised_target_warns_that_it_may_not_be_lossless(
         enabled, tiny_dir, caplog, monkeypatch):
-    """The int4 path is batch-invariant only up to 32 rows (beyond, bf16 slices run), so
-    speculation on an int4 target can change a greedy near-tie when forwards grow past that:
-    LLM says so when both are asked for, and only then; not in batch-invariant mode."""
+    """Dense int4 layers have changed a greedy near-tie under speculation for a reason not
+    yet found (`UNEXPLAINED_INT4_DIVERGENCE`): LLM says so when both are asked for, and
+    only then, in either mode of the kernel."""
     from specmoe import LLM
     with caplog.at_level("WARNING", logger="specmoe.engine.llm_engine"):
         llm = LLM(tiny_dir, quantization="int4")
@@ -325,28 +325,30 @@ def test_speculation_on_a_quantised_target_warns_that_it_may_not_be_lossless(
         llm.with_speculative({"method": "ngram"})
     assert len(caplog.records) == 1
     message = caplog.records[0].getMessage()
-    assert "quantised to int4" in message and "only up to 32 rows" in message
+    assert "quantised to int4" in message and "not yet found" in message
     caplog.clear()
     monkeypatch.setattr(gemv_int4, "_batch_invariant", True)
     with caplog.at_level("WARNING", logger="specmoe.engine.llm_engine"):
         llm.with_speculative({"method": "ngram"})
-    assert not caplog.records
+    assert len(caplog.records) == 1 and "not yet found" in caplog.records[0].getMessage()
 
 
 def test_speculation_caveat_names_what_actually_runs(enabled, monkeypatch):
-    """The caveat follows the kernels that will run: none for an unquantised model or int4 in
-    batch-invariant mode on our kernel; torch's kernels (int8 layers, ours off or not
-    built) and the reference off CPU are not batch-invariant, whatever the mode."""
+    """The caveat follows the kernels that will run: none for an unquantised model; dense
+    int4 layers on our kernel get the unexplained divergence in either mode; torch's kernels
+    (int8 layers, ours off or not built) and the reference off CPU are not batch-invariant,
+    whatever the mode."""
     from torch import nn
 
-    from specmoe.layers.quantization import quantize_linear, speculation_caveat
+    from specmoe.layers.quantization import (UNEXPLAINED_INT4_DIVERGENCE, quantize_linear,
+                                             speculation_caveat)
     int4 = nn.Sequential(quantize_linear(torch.randn(64, 64), None, "int4"))
     mixed = nn.Sequential(int4[0], quantize_linear(torch.randn(100, 64), None, "int4"))
     assert speculation_caveat(nn.Sequential(nn.Linear(4, 4))) is None
-    assert "only up to 32 rows" in speculation_caveat(int4)
+    assert speculation_caveat(int4) == UNEXPLAINED_INT4_DIVERGENCE
     assert "int8 layers" in speculation_caveat(mixed)  # 100 outputs: int4 fell back to int8
     monkeypatch.setattr(gemv_int4, "_batch_invariant", True)
-    assert speculation_caveat(int4) is None
+    assert speculation_caveat(int4) == UNEXPLAINED_INT4_DIVERGENCE
     monkeypatch.setattr(gemv_int4, "kernel_unavailable_reason", lambda: "no gcc")
     assert "cannot run (no gcc)" in speculation_caveat(int4)
     monkeypatch.undo()
