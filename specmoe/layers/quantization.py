@@ -563,15 +563,19 @@ def quantize_model(model: nn.Module, method: str) -> int:
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"unknown quantization {method!r}: choose one of "
                          f"{QUANTIZATION_METHODS}")
-    targets = [(name, m) for name, m in model.named_modules()
+    # Names, not modules, are listed: each dense module is freed as soon as its quantised
+    # version replaces it, so memory peaks at the model plus one module, not the model twice.
+    targets = [name for name, m in model.named_modules()
                if isinstance(m, (Linear, TiedProjection))
                and not name.endswith(_KEEP_FULL_PRECISION)]
-    for name, module in targets:
+    for name in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
+        module = getattr(parent, child)
         bias = getattr(module, "bias", None)
         quantized = quantize_linear(module.weight.data, None if bias is None else bias.data,
                                     method)
+        del module, bias
         setattr(parent, child, quantized)
     blocks = [m for m in model.modules()
               if isinstance(m, SparseMoEBlock) and isinstance(m.experts, RoutedExperts)]
@@ -579,6 +583,7 @@ def quantize_model(model: nn.Module, method: str) -> int:
         # the backend chosen for the bf16 experts, by name, on the new ones (a bound method
         # of the old ones would also keep their bf16 weights alive)
         backend = getattr(getattr(block.run_experts, "__func__", None), "__name__", "forward")
+        block.run_experts = None  # the bound method holds the dense experts
         block.experts = QuantizedRoutedExperts.from_experts(block.experts, method)
         block.run_experts = getattr(block.experts, backend, block.experts.forward)
     return len(targets) + len(blocks)

@@ -142,16 +142,78 @@ def load_model(config: ModelConfig, on_weights=None) -> LoadedModel:
     with default_dtype(dtype), device:
         model = DecoderModel(arch, max_len)
     report = progress.current()
-    load_weights(model, report.items(_to_device(tensors, device), f"loading {path.name}",
-                                     size=lambda item: item[1].nbytes),
-                 family.WEIGHT_RULES, arch.tie_word_embeddings)
-    if on_weights is not None:
-        on_weights(model)
+    tensors = report.items(_to_device(tensors, device), f"loading {path.name}",
+                           size=lambda item: item[1].nbytes)
+    if on_weights is None:
+        _load_unit_by_unit(model, tensors, family, arch, config, device, dtype)
+        return LoadedModel(model, arch, path, device, dtype, max_len)
+    load_weights(model, tensors, family.WEIGHT_RULES, arch.tie_word_embeddings)
+    on_weights(model)
     if config.quantization is not None:
         with report.phase(f"quantising the weights to {config.quantization}"):
             quantize_model(model, config.quantization)
     prepare_for_inference(model, device, dtype, config.moe_backend)
     return LoadedModel(model, arch, path, device, dtype, max_len)
+
+
+def _load_unit_by_unit(model: DecoderModel, tensors, family, arch: ArchConfig,
+                       config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+    """Load the checkpoint into `model`, finishing each unit (the embedding, every decoder
+    layer, the final norm, the LM head) as soon as its last weight is in: quantised
+    (`config.quantization`) and packed for the native kernels right then, its dense
+    weights dropped. The parameters are allocated but untouched until their tensor arrives,
+    so the model never exists whole at full precision: memory peaks near the final weights
+    plus one unit, as the checkpoint groups a layer's tensors (HF shards and GGUF files
+    do). The result is what `quantize_model` then `prepare_for_inference` give."""
+    backend = begin_inference(model, device, dtype, config.moe_backend)
+
+    def finish(unit: torch.nn.Module) -> None:
+        if config.quantization is not None:
+            quantize_model(unit, config.quantization)
+        pack_for_kernels(unit, device)
+    units = UnitTracker(model, finish)
+    load_weights(model, tensors, family.WEIGHT_RULES, arch.tie_word_embeddings,
+                 on_param_loaded=units.param_loaded)
+    units.finish_rest()
+    end_inference(model, device, backend)
+
+
+class UnitTracker:
+    """Calls `finish(unit)` once per top-level unit of `model` (each direct child, each
+    element of a ModuleList child): when the last of its parameters is loaded
+    (`param_loaded(name)`, names as `model.named_parameters()` gives them), or in
+    `finish_rest` for units with no parameter of their own (a tied LM head)."""
+
+    def __init__(self, model: torch.nn.Module, finish) -> None:
+        self.finish = finish
+        self.units = list(_units(model))
+        self.left = [{f"{prefix}.{n}" for n, _ in unit.named_parameters()}
+                     for prefix, unit in self.units]
+        self.owner = {name: i for i, names in enumerate(self.left) for name in names}
+        self.done: set[int] = set()
+
+    def param_loaded(self, name: str) -> None:
+        i = self.owner[name]
+        self.left[i].discard(name)
+        if not self.left[i]:
+            self._finish(i)
+
+    def finish_rest(self) -> None:
+        for i in range(len(self.units)):
+            if i not in self.done:
+                self._finish(i)
+
+    def _finish(self, i: int) -> None:
+        self.done.add(i)
+        self.finish(self.units[i][1])
+
+
+def _units(model: torch.nn.Module):
+    for name, child in model.named_children():
+        if isinstance(child, torch.nn.ModuleList):
+            yield from ((f"{name}.{i}", sub) for i, sub in enumerate(child))
+        else:
+            yield name, child
 
 
 def parse_arch(path: Path, hf_config: dict):
@@ -205,20 +267,50 @@ def prepare_for_inference(model: torch.nn.Module, device: torch.device, dtype: t
     to one that reads them), on 2 MiB pages, and whether one-row passes prefetch, timed on
     those copies (once per process: `kernels.panel_prefetch_tune`). Synthetic models (the
     study's presets) take the same steps, so they are timed on the paths a loaded model
-    runs.
+    runs; `load_model` takes them unit by unit (`begin_inference`, `pack_for_kernels` per
+    unit, `end_inference`).
+
+    Raises:
+        ValueError: an unknown `moe_backend`.
+    """
+    backend = begin_inference(model, device, dtype, moe_backend)
+    with progress.current().phase("preparing the weights for the CPU kernels"):
+        pack_for_kernels(model, device, keep_dense)
+    end_inference(model, device, backend)
+
+
+def begin_inference(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+                    moe_backend: str = "auto") -> str | None:
+    """Eval mode without autograd, and the MoE blocks' expert backend, chosen before any
+    packing (only "fused" and "grouped" read packed experts); returns the backend (None
+    for a dense model).
 
     Raises:
         ValueError: an unknown `moe_backend`.
     """
     model.eval().requires_grad_(False)
-    if moe_blocks(model):  # before packing: only "fused" and "grouped" read packed experts
-        set_moe_backend(model, resolve_moe_backend(moe_backend, device,
-                                                   _native_bf16(device, dtype)))
+    if not moe_blocks(model):
+        return None
+    backend = resolve_moe_backend(moe_backend, device, _native_bf16(device, dtype))
+    set_moe_backend(model, backend)
+    return backend
+
+
+def pack_for_kernels(module: torch.nn.Module, device: torch.device,
+                     keep_dense: bool = False) -> None:
+    """On CPU, the native kernels' packed copies of `module`'s weights, the dense ones
+    dropped unless `keep_dense`."""
     if device.type == "cpu":
-        # the bf16 kernel's panel copies replace the dense weights, and move with the rest:
-        with progress.current().phase("preparing the weights for the CPU kernels"):
-            prepack_weights(model, release_dense=not keep_dense)
-            hugepages.rehome_module(model)  # decoding streams the weights: 2 MiB pages
+        prepack_weights(module, release_dense=not keep_dense)
+
+
+def end_inference(model: torch.nn.Module, device: torch.device, backend: str | None) -> None:
+    """After packing: the backend set again (quantised experts replaced the ones it was set
+    on), the CPU weights moved to 2 MiB pages and the one-row prefetch timed."""
+    if backend is not None:
+        set_moe_backend(model, backend)
+    if device.type == "cpu":
+        hugepages.rehome_module(model)  # decoding streams the weights: 2 MiB pages
         panel_prefetch_tune.tune(packed_copies(model))
 
 

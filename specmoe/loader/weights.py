@@ -6,7 +6,8 @@ parameter slice no tensor fills, or a shape mismatch raises ValueError naming it
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -17,8 +18,11 @@ _MAX_LISTED = 8
 
 
 def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
-                 rules: list[WeightRule], tied_embeddings: bool) -> None:
-    """Copy checkpoint `tensors` (HuggingFace names) into `model`'s parameters.
+                 rules: list[WeightRule], tied_embeddings: bool,
+                 on_param_loaded: Callable[[str], None] = lambda name: None) -> None:
+    """Copy checkpoint `tensors` (HuggingFace names) into `model`'s parameters, calling
+    `on_param_loaded(name)` as each parameter gets the last of its slots (its experts and
+    shards), before the next tensor is read.
 
     Raises:
         ValueError: unexpected checkpoint tensors, missing parameters, a parameter filled
@@ -26,6 +30,7 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
     """
     params = dict(model.named_parameters())
     expected = set(_expected_slots(params))
+    slots_left = Counter(slot[0] for slot in expected)
     loaded: set[tuple] = set()
     unexpected: list[str] = []
     for name, tensor in tensors:
@@ -34,13 +39,18 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
         if tied_embeddings and name == "lm_head.weight":
             continue  # tied to embed_tokens; some checkpoints still store a copy
         slot = _match(name, rules)
+        if slot in loaded:
+            raise ValueError(f"checkpoint tensor {name} fills {_fmt(slot)} a second time")
         if slot is None or slot[0] not in params:
             unexpected.append(name)
             continue
-        if slot in loaded:
-            raise ValueError(f"checkpoint tensor {name} fills {_fmt(slot)} a second time")
         _copy(params[slot[0]], slot, tensor, name)
         loaded.add(slot)
+        slots_left[slot[0]] -= 1
+        if not slots_left[slot[0]]:
+            # no reference kept: the callback may quantise or pack it and drop the dense copy
+            del params[slot[0]]
+            on_param_loaded(slot[0])
     _raise_if(unexpected, "unexpected checkpoint tensors (no parameter takes them)")
     _raise_if(sorted(_fmt(s) for s in expected - loaded), "missing weights")
 

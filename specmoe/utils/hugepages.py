@@ -138,13 +138,19 @@ def rehome_module(module: nn.Module) -> int:
     if plan is None:
         return 0
     copies = iter(_carve(specs, *plan))
-    for key, storage in storages.items():
+    moved = sum(n for (n,), _ in specs)
+    # Each old storage is dropped right after its copy (popped, no reference kept), so memory
+    # peaks at the model plus one storage, not twice the model: the region's pages are
+    # touched only as they are copied into.
+    for key in list(storages):  # in the order of `specs`
+        storage = storages.pop(key)
         region = next(copies)
         region.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
-        for t in users[key]:
+        del storage
+        for t in users.pop(key):
             t.data = torch.empty(0, dtype=t.dtype).set_(
                 region.untyped_storage(), t.storage_offset(), t.shape, t.stride())
-    for sub, ts in extras:
+    while extras:
+        sub, ts = extras.pop(0)
         sub.set_extra_weights([next(copies).copy_(t) for t in ts])
-    return sum(n for (n,), _ in specs[:len(storages)]) + sum(
-        t.nbytes for _, ts in extras for t in ts)
+    return moved

@@ -325,3 +325,35 @@ def test_corrupt_tokenizer_is_reported_not_taken_for_none(tmp_path):
     (model_dir / "tokenizer.json").write_text('{"version": ')
     with pytest.raises(ValueError, match="tokenizer files in .*tiny-moe do not load"):
         LLM(str(model_dir), dtype="float32")
+
+
+def test_each_unit_is_quantised_as_soon_as_its_weights_are_in(llama_dir, monkeypatch):
+    """The load quantises (and packs) the embedding, each decoder layer, the norm and the
+    head as their last tensor arrives, not after the whole model is in at full precision:
+    the first decoder layer is done before most of the checkpoint is read, and the model is
+    what quantising the loaded model afterwards gives."""
+    from specmoe.loader import model_loader
+    from specmoe.utils.progress import Progress, reporting
+
+    class Counting(Progress):
+        read = 0
+
+        def items(self, iterable, name, size=lambda _: 0):
+            for item in iterable:
+                yield item
+                Counting.read += 1
+    finished = []
+    real = model_loader.quantize_model
+    monkeypatch.setattr(model_loader, "quantize_model",
+                        lambda unit, method: finished.append((unit, Counting.read))
+                        or real(unit, method))
+    with reporting(Counting()):
+        loaded = _load(llama_dir, quantization="int4")
+    layers = [read for unit, read in finished if unit in list(loaded.model.layers)]
+    assert len(finished) == len(list(model_loader._units(loaded.model)))
+    assert len(layers) == 2 and layers[0] < Counting.read / 2 < layers[1]
+    whole = _load(llama_dir)
+    model_loader.quantize_model(whole.model, "int4")
+    for a, b in zip(loaded.model.state_dict().values(), whole.model.state_dict().values(),
+                    strict=True):
+        assert torch.equal(a, b)
