@@ -138,7 +138,7 @@ def load_model(config: ModelConfig, on_weights=None) -> LoadedModel:
     family, arch = parse_arch(path, hf_config)
     max_len = _max_model_len(config, arch)
     device, dtype = resolve_device(config.device), DTYPES[config.dtype]
-    check_weights_fit(path, arch, dtype, device)
+    check_weights_fit(path, arch, dtype, device, config.quantization)
     with default_dtype(dtype), device:
         model = DecoderModel(arch, max_len)
     report = progress.current()
@@ -243,19 +243,32 @@ def read_arch(config: ModelConfig) -> ArchConfig:
     return parse_arch(path, hf_config)[1]
 
 
-def check_weights_fit(path: Path, arch: ArchConfig, dtype: torch.dtype,
-                      device: torch.device) -> None:
-    """Raise ValueError when the model's weights in `dtype` (`ArchConfig.num_params`) would
-    not fit in the memory `device` has free (host memory on the CPU), before any is
-    allocated."""
-    need = arch.num_params * dtype.itemsize
+# Bytes a quantised weight keeps per parameter: int8 one byte (and a scale per row), int4
+# half a byte and a bf16 scale and zero per group of 32.
+QUANTIZED_BYTES = {"int8": 1.0, "int4": 0.5 + 4 / 32}
+
+
+def final_weight_bytes(arch: ArchConfig, dtype: torch.dtype, quantization: str | None) -> float:
+    """Bytes the loaded weights hold (`ArchConfig.num_params`): the embedding in `dtype`,
+    every other weight in `dtype` or at `quantization`'s `QUANTIZED_BYTES` (the load never
+    holds more than one unit at full precision beside them)."""
+    embedding = arch.vocab_size * arch.hidden_size
+    rest = QUANTIZED_BYTES.get(quantization, dtype.itemsize) * (arch.num_params - embedding)
+    return embedding * dtype.itemsize + rest
+
+
+def check_weights_fit(path: Path, arch: ArchConfig, dtype: torch.dtype, device: torch.device,
+                      quantization: str | None = None) -> None:
+    """Raise ValueError when the loaded weights (`final_weight_bytes`) would not fit in the
+    memory `device` has free (host memory on the CPU), before any is allocated."""
+    need = final_weight_bytes(arch, dtype, quantization)
     available = None
     if device.type == "cuda":
         available = torch.cuda.mem_get_info(device)[0]
     elif device.type != "cpu":
         return
     memory.check_fits(need, f"the weights of {path} ({arch.num_params:.3g} parameters in "
-                            f"{str(dtype).removeprefix('torch.')})", available)
+                            f"{quantization or str(dtype).removeprefix('torch.')})", available)
 
 
 def prepare_for_inference(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,

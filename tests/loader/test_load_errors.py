@@ -357,3 +357,23 @@ def test_each_unit_is_quantised_as_soon_as_its_weights_are_in(llama_dir, monkeyp
     for a, b in zip(loaded.model.state_dict().values(), whole.model.state_dict().values(),
                     strict=True):
         assert torch.equal(a, b)
+
+
+def test_the_memory_check_counts_the_quantised_weights(llama_dir):
+    """A model whose float32 weights exceed the memory available still loads in int4 where
+    its int4 weights fit: the check counts what the load keeps, not full precision."""
+    from specmoe.loader.model_loader import final_weight_bytes
+    arch = _load(llama_dir).arch
+    embedding = arch.vocab_size * arch.hidden_size
+    full = final_weight_bytes(arch, torch.float32, None)
+    assert full == arch.num_params * 4
+    assert final_weight_bytes(arch, torch.float32, "int4") == pytest.approx(
+        embedding * 4 + (arch.num_params - embedding) * 0.625)
+    from specmoe.utils import memory
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(memory, "available_bytes",
+                  lambda: int(final_weight_bytes(arch, torch.float32, "int4") * 1.5))
+        assert final_weight_bytes(arch, torch.float32, "int4") * 1.5 < full
+        with pytest.raises(ValueError, match="need"):
+            _load(llama_dir)
+        assert _load(llama_dir, quantization="int4").arch == arch
