@@ -24,6 +24,8 @@ Layout conventions (from the GGUF spec and `gguf.GGUFReader`):
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 import re
 from collections.abc import Iterator
@@ -347,6 +349,8 @@ class GGUFCheckpoint:
                 array = merge_kv_b(*(_dequantize(self._tensors[part]) for part in plan.kv_b_parts))
             else:
                 array = _dequantize(self._tensors[plan.gguf_name])  # float32, numpy order
+            for name in plan.kv_b_parts or (plan.gguf_name,):
+                self._release(self._tensors[name])
             if plan.num_rope_heads is not None:
                 array = undo_llama_rope_permute(array, plan.num_rope_heads)
             if plan.is_row_vector and array.ndim == 1:
@@ -357,6 +361,20 @@ class GGUFCheckpoint:
                     yield hf_name, tensor[expert].clone()
             else:
                 yield plan.hf_names[0], tensor
+
+
+    def _release(self, tensor: gguf.ReaderTensor) -> None:
+        """Drop the file's pages under `tensor` from this process's resident memory once it
+        is read (MADV_DONTNEED on the reader's read-only mapping: the page cache keeps them,
+        and a later read maps them again), so reading a file larger than the memory left
+        never holds it whole."""
+        mapping = getattr(self._reader.data, "_mmap", None)
+        if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = tensor.data_offset - tensor.data_offset % mmap.PAGESIZE
+        end = min(len(mapping), tensor.data_offset + tensor.n_bytes)
+        with contextlib.suppress(OSError, ValueError):
+            mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def _open_reader(path: Path) -> gguf.GGUFReader:

@@ -93,15 +93,19 @@ def resolve_device(device: str | None) -> torch.device:
         ValueError: a name torch does not know, e.g. "tpu", or a CUDA device where torch
             has no CUDA or sees no such GPU.
     """
+    resolved = _parse_device(device)
+    if device is not None and resolved.type == "cuda":
+        _check_cuda(device, resolved)
+    return resolved
+
+
+def _parse_device(device: str | None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        resolved = torch.device(device)
+        return torch.device(device)
     except RuntimeError as exc:
         raise ValueError(f"invalid device={device!r}: use cpu, cuda or cuda:N") from exc
-    if resolved.type == "cuda":
-        _check_cuda(device, resolved)
-    return resolved
 
 
 def _check_cuda(name: str, device: torch.device) -> None:
@@ -121,7 +125,7 @@ def resolve_dtype(dtype: str, device: str | None) -> str:
     batch shape, so only float32 keeps that equality there)."""
     if dtype != "auto":
         return dtype
-    return "bfloat16" if _native_bf16(resolve_device(device), torch.bfloat16) else "float32"
+    return "bfloat16" if _native_bf16(_parse_device(device), torch.bfloat16) else "float32"
 
 
 def load_model(config: ModelConfig, on_weights=None) -> LoadedModel:
@@ -171,6 +175,7 @@ def _load_unit_by_unit(model: DecoderModel, tensors, family, arch: ArchConfig,
         if config.quantization is not None:
             quantize_model(unit, config.quantization)
         pack_for_kernels(unit, device)
+        memory.release_free_memory()  # the unit's dense weights, freed just now
     units = UnitTracker(model, finish)
     load_weights(model, tensors, family.WEIGHT_RULES, arch.tie_word_embeddings,
                  on_param_loaded=units.param_loaded)

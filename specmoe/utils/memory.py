@@ -33,3 +33,28 @@ def check_fits(need_bytes: float, what: str, available: int | None = None) -> No
     if available is not None and need_bytes > available:
         raise ValueError(f"{what} need {need_bytes / GIB:.1f} GiB but this machine has "
                          f"{available / GIB:.1f} GiB available")
+
+
+def release_free_memory() -> None:
+    """Hand the C heap's free memory back to the OS (glibc's `malloc_trim(0)`; nothing
+    elsewhere). Freed buffers below glibc's mmap threshold (which rises after large frees)
+    otherwise stay resident, so a load that frees one layer's full-precision weights after
+    another would grow as if it kept them."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def _malloc_trim():
+    import ctypes
+    import ctypes.util
+    global _TRIM
+    if _TRIM is False:
+        try:
+            _TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _TRIM = None
+    return _TRIM
+
+
+_TRIM = False  # not looked up yet
