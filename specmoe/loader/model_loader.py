@@ -129,13 +129,16 @@ def resolve_dtype(dtype: str, device: str | None) -> str:
 
 
 def load_model(config: ModelConfig, on_weights=None) -> LoadedModel:
-    """Build and load the model `config.model` names. `on_weights(model)`, if given, runs
-    once the checkpoint's weights are in, before quantisation and packing (expert
-    parallelism drops the experts other ranks hold there).
+    """Build and load the model `config.model` names, unit by unit (`_load_unit_by_unit`:
+    never whole at full precision). `on_weights(model)`, if given, runs once all the
+    checkpoint's weights are in, before quantisation and packing (expert parallelism drops
+    the experts other ranks hold there); the model is then whole at full precision once.
 
     Raises:
         FileNotFoundError: bad path or alias.
-        ValueError: unsupported architecture, missing/extra weights, bad max_model_len.
+        ValueError: unsupported architecture, a config value out of range, weights that
+            would not fit in the memory available, missing/extra weights, bad
+            max_model_len.
     """
     path = resolve_model_path(config.model)
     hf_config, tensors = open_checkpoint(path, DTYPES[config.dtype])
