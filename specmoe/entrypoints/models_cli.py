@@ -20,33 +20,67 @@ def add_models_parser(sub) -> None:
 
 def add_synth_parser(models_sub) -> None:
     from specmoe.analysis.presets import PRESETS
+    from specmoe.loader.gguf_synth import LIKE, TYPES
     synth = models_sub.add_parser(
-        "synth", help="write a study preset as a random-weight HF checkpoint",
-        description="A MoE preset in Mixtral's layout (a dense one in Llama's) with seeded "
-                    "random weights and a borrowed tokenizer, loadable by every command "
-                    "(e.g. bench throughput --expert-parallel-size 2 on a MoE of real "
-                    "shape). DeepSeek-shaped presets are refused.")
-    synth.add_argument("preset", metavar="PRESET", choices=sorted(PRESETS),
+        "synth", help="write a random-weight model: a study preset (HF checkpoint) or a real "
+                      "model's shape (GGUF file)",
+        description="PRESET: a study preset in Mixtral's layout (a dense one in Llama's) as "
+                    "an HF checkpoint with a borrowed tokenizer (DeepSeek-shaped presets are "
+                    "refused). --like NAME: a GGUF file with the exact shape, tensor names "
+                    "and metadata of a real model, seeded random weights in --type, written "
+                    "tensor by tensor in bounded memory.")
+    synth.add_argument("preset", metavar="PRESET", nargs="?", choices=sorted(PRESETS),
                        help=f"one of {sorted(PRESETS)}")
-    synth.add_argument("--out", required=True, help="output directory")
-    synth.add_argument("--tokenizer-from", default="tiny-moe",
-                       help="alias or HF directory whose tokenizer (and vocabulary size) "
-                            "the checkpoint takes (default tiny-moe)")
+    synth.add_argument("--like", choices=sorted(LIKE), default=None,
+                       help="a real model's shape, written as a GGUF file")
+    synth.add_argument("--type", default="Q8_0", choices=sorted(TYPES),
+                       help="with --like: the matrices' GGUF type (default: %(default)s)")
+    synth.add_argument("--layers", type=int, default=None,
+                       help="with --like: fewer decoder layers than the model's (a first look)")
+    synth.add_argument("--out", required=True,
+                       help="output directory (PRESET) or .gguf file (--like)")
+    synth.add_argument("--tokenizer-from", default=None,
+                       help="PRESET: alias or HF directory whose tokenizer (and vocabulary "
+                            "size) the checkpoint takes (default tiny-moe); --like: a GGUF "
+                            "file or alias whose tokenizer is padded to the shape's "
+                            "vocabulary (default smollm2-135m)")
     synth.add_argument("--seed", type=int, default=0)
 
 
 def cmd_synth(args) -> int:
+    from specmoe.loader.aliases import resolve_model_path
+    if (args.preset is None) == (args.like is None):
+        raise ValueError("models synth takes a PRESET or --like NAME (one of them)")
+    if args.like is not None:
+        return _synth_like(args)
     from specmoe.analysis.preset_export import export_preset
     from specmoe.analysis.presets import PRESETS
-    from specmoe.loader.aliases import resolve_model_path
     preset = PRESETS[args.preset]
     try:
-        src = resolve_model_path(args.tokenizer_from)
+        src = resolve_model_path(args.tokenizer_from or "tiny-moe")
         out = export_preset(preset, args.out, src, args.seed, progress=lambda layer: print(
             f"layer {layer + 1}/{preset.num_layers} written", flush=True))
     except (ValueError, FileNotFoundError) as exc:
         print(f"specmoe: error: {exc}", file=sys.stderr)
         return 1
+    print(out)
+    return 0
+
+
+def _synth_like(args) -> int:
+    from specmoe.loader.aliases import resolve_model_path
+    from specmoe.loader.gguf_synth import shape_like, write_like
+    from specmoe.utils.progress import StderrProgress, reporting
+    if args.layers is not None and args.layers < 1:
+        raise ValueError(f"invalid --layers={args.layers}: must be >= 1")
+    shape = shape_like(args.like, **({} if args.layers is None else
+                                     {"num_layers": args.layers}))
+    donor = resolve_model_path(args.tokenizer_from or "smollm2-135m")
+    if donor.suffix != ".gguf":
+        raise ValueError(f"--tokenizer-from {donor}: --like takes a GGUF file's tokenizer")
+    with reporting(StderrProgress()):
+        out = write_like(shape, args.type, args.out, donor, args.seed,
+                         name=f"synthetic {args.like} {args.type}")
     print(out)
     return 0
 
