@@ -31,8 +31,8 @@ def check_fits(need_bytes: float, what: str, available: int | None = None) -> No
     """
     available = available_bytes() if available is None else available
     if available is not None and need_bytes > available:
-        raise ValueError(f"{what} need {need_bytes / GIB:.1f} GiB but this machine has "
-                         f"{available / GIB:.1f} GiB available")
+        raise ValueError(f"{what}: {need_bytes / GIB:.1f} GiB needed, {available / GIB:.1f} "
+                         "GiB available on this machine")
 
 
 def release_free_memory() -> None:

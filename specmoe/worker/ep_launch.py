@@ -213,7 +213,7 @@ def check_group(model_config, ep: ExpertParallelConfig, local: bool = True) -> N
     per_rank = arch.num_params * _DTYPE_BYTES.get(model_config.dtype, 4)
     check_fits(ep.size * per_rank + (ep.size - 1) * RANK_BASE_BYTES,
                f"expert_parallel_size={ep.size} ranks, each loading {model_config.model} "
-               f"({per_rank / (1 << 30):.2f} GiB) before dropping the experts it does not hold,")
+               f"({per_rank / (1 << 30):.2f} GiB) before dropping the experts it does not hold")
 
 
 def start_group(model_config, ep: ExpertParallelConfig) -> list:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from specmoe.config import ArchConfig
+from specmoe.utils.memory import check_fits
 
 
 class PagedKVCache:
@@ -20,7 +21,8 @@ class PagedKVCache:
     Zero-filled, so padded reads are finite.
 
     Raises:
-        ValueError: `num_blocks` or `block_size` < 1.
+        ValueError: `num_blocks` or `block_size` < 1, or a cache larger than the host memory
+            available (on the CPU; checked before allocating).
     """
 
     def __init__(self, arch: ArchConfig, num_blocks: int, block_size: int,
@@ -28,6 +30,10 @@ class PagedKVCache:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"invalid num_blocks={num_blocks} / block_size={block_size}: "
                              "both must be >= 1")
+        if torch.device(device).type == "cpu":
+            check_fits(num_blocks * self.bytes_per_block(arch, block_size, dtype),
+                       f"a KV cache of {num_blocks} blocks of {block_size} tokens (lower the "
+                       "batch size, max_num_seqs or num_kv_blocks)")
         slots = num_blocks * block_size
         if arch.mla is not None:
             shape = (slots, arch.mla.latent_dim)

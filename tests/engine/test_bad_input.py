@@ -316,3 +316,12 @@ def test_kv_cache_space_sets_the_default_budget(monkeypatch):
     monkeypatch.delenv("SPECMOE_KV_CACHE_SPACE")
     assert SchedulerConfig().kv_cache_memory_bytes == 1 << 30
     assert SchedulerConfig(kv_cache_memory_bytes=4096).kv_cache_memory_bytes == 4096
+
+
+def test_a_kv_cache_beyond_the_memory_is_refused_before_allocating():
+    """bench throughput --concurrency 1e8 and advise --batch-sizes 1e9 asked for KV caches
+    of 40-50 TB and died in the allocator; the cache says what it needs instead."""
+    from specmoe import LLM
+    with pytest.raises(ValueError, match=r"a KV cache of 3000000000 blocks of 16 tokens .*"
+                                         r"GiB needed, .* GiB available on this machine"):
+        LLM("tiny-moe", dtype="float32", scheduler={"num_kv_blocks": 3_000_000_000})

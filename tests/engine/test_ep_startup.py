@@ -81,7 +81,7 @@ def test_ranks_beyond_cores_or_memory_refused_before_any_process(monkeypatch):
             LLM("tiny-moe", dtype="float32", expert_parallel_size=size)
     monkeypatch.setattr(memory, "available_bytes", lambda: 100 << 20)
     with pytest.raises(ValueError, match=r"expert_parallel_size=2 ranks, each loading "
-                       r"tiny-moe .* need 0\.\d GiB but this machine has 0\.1 GiB available"):
+                       r"tiny-moe .*: 0\.\d GiB needed, 0\.1 GiB available on this machine"):
         LLM("tiny-moe", dtype="float32", expert_parallel_size=2)
     assert not multiprocessing.active_children()
 
