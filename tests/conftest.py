@@ -3,6 +3,7 @@ budget sized for tests."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 # Each engine allocates (and zeroes) its KV cache; at the engines' default of 1 GiB, a test
@@ -78,3 +79,13 @@ def pytest_terminal_summary(terminalreporter):
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / gib
     terminalreporter.write_line(f"peak resident memory: {own:.2f} GiB (pytest), "
                                 f"{children:.2f} GiB (largest child process)")
+
+
+@pytest.fixture(autouse=True)
+def _collect_dropped_engines():
+    """An engine holds its KV cache inside reference cycles (the speculation policy's
+    callbacks into it), so one a test made and dropped is freed only when Python's cycle
+    collector next runs, which a test module of large engines outpaces: collect after every
+    test."""
+    yield
+    gc.collect()
