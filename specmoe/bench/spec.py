@@ -67,7 +67,8 @@ def build_prompts(cfg: SpecBenchConfig, llm) -> list[BenchPrompt]:
             text = p.text if p.is_completion else llm.chat_prompt(
                 [{"role": "user", "content": p.text}])
             group = f"spec_bench/{p.category}" if dataset == "spec_bench" else dataset
-            out.append(BenchPrompt(group, llm.tokenizer.encode(text, add_special_tokens=False, verbose=False)))
+            ids = llm.tokenizer.encode(text, add_special_tokens=False, verbose=False)
+            out.append(BenchPrompt(group, ids))
     return out
 
 

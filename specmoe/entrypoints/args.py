@@ -120,7 +120,8 @@ def add_spec_args(p: argparse.ArgumentParser, default_draft: str | None = None) 
                         "batches are compute-bound; `specmoe bench throughput` shows where "
                         "speculation stops paying)")
     p.add_argument("--speculative-policy", default=None, choices=SPECULATIVE_POLICIES,
-                   help="how each step's K is chosen: static (the default: every request drafts K), "
+                   help="how each step's K is chosen: static (the default: every request "
+                        "drafts K), "
                         "batch_size_table (K by the number of running requests, from "
                         "--speculative-batch-size-table) or adaptive (per request and step, "
                         "from measured acceptance and step times; at most K)")

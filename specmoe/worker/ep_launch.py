@@ -176,7 +176,6 @@ def abort(workers: list, wait_s: float) -> None:
 RANK_BASE_BYTES = 256 << 20
 # Ranks this machine may run per core (each runs one torch thread; more only time-share).
 RANKS_PER_CORE = 4
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def check_group(model_config, ep: ExpertParallelConfig, local: bool = True) -> None:
@@ -191,7 +190,7 @@ def check_group(model_config, ep: ExpertParallelConfig, local: bool = True) -> N
         FileNotFoundError: no such placement file, or model.
     """
     from specmoe.layers.moe.placement import CONTIGUOUS, read_placement
-    from specmoe.loader.model_loader import read_arch
+    from specmoe.loader.model_loader import DTYPES, read_arch
     from specmoe.utils.memory import check_fits
     arch = read_arch(model_config)
     if arch.moe is None or not arch.moe.moe_layers:
@@ -210,7 +209,7 @@ def check_group(model_config, ep: ExpertParallelConfig, local: bool = True) -> N
         raise ValueError(f"expert_parallel_size={ep.size} would start {ep.size} processes on "
                          f"{cores} cores (at most {RANKS_PER_CORE} per core here); spread "
                          "the ranks over machines with torchrun")
-    per_rank = arch.num_params * _DTYPE_BYTES.get(model_config.dtype, 4)
+    per_rank = arch.num_params * DTYPES[model_config.dtype].itemsize  # at full precision
     check_fits(ep.size * per_rank + (ep.size - 1) * RANK_BASE_BYTES,
                f"expert_parallel_size={ep.size} ranks, each loading {model_config.model} "
                f"({per_rank / (1 << 30):.2f} GiB) before dropping the experts it does not hold")

@@ -25,4 +25,8 @@ q = sys.argv[3] if len(sys.argv) > 3 and sys.argv[3] != "none" else None
 m = load_model(ModelConfig(sys.argv[1], dtype=sys.argv[2], device="cpu", quantization=q))
 stop = True; t.join()
 final = sum(x.nbytes for x in (*m.model.parameters(), *m.model.buffers())) / 2**20
-print(f"{sys.argv[1:]}: final {final:.0f} MiB; peak above start: anon {peak['RssAnon']-base['RssAnon']:.0f}, file {peak['RssFile']-base['RssFile']:.0f} MiB; maxrss-start {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss/1024-base['VmRSS']:.0f}")
+maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(f"{sys.argv[1:]}: final {final:.0f} MiB; peak above start: "
+      f"anon {peak['RssAnon'] - base['RssAnon']:.0f}, "
+      f"file {peak['RssFile'] - base['RssFile']:.0f} MiB; "
+      f"maxrss-start {maxrss - base['VmRSS']:.0f}")
