@@ -13,10 +13,10 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	@echo "[setup 2/4] torch 2.13.0, CPU build (about 200 MB; a minute or two)"
-	# torch is pinned exactly: PyPI's torch==2.13.0 is the CUDA build (several GB of nvidia-*
-	# packages). The CPU build is 2.13.0+cpu: from a wheel pip already finds (a configured
-	# find-links or index), else from PyTorch's CPU index, else, where that index cannot be
-	# reached, PyPI's CUDA build (it runs on CPUs too).
+	@# torch is pinned exactly: PyPI's torch==2.13.0 is the CUDA build (several GB of nvidia-*
+	@# packages). The CPU build is 2.13.0+cpu: from a wheel pip already finds (a configured
+	@# find-links or index), else from PyTorch's CPU index, else, where that index cannot be
+	@# reached, PyPI's CUDA build (it runs on CPUs too).
 	$(PY) -m pip install -q "torch==2.13.0+cpu" 2>/dev/null \
 		|| $(PY) -m pip install --timeout 20 --retries 1 torch==2.13.0 --index-url $(TORCH_CPU_INDEX) \
 		|| { echo "[setup 2/4] PyTorch's CPU index unreachable: PyPI's torch (CUDA build, several GB)"; \
