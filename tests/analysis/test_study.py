@@ -197,3 +197,23 @@ def test_impossible_and_noisy_points_are_named():
     clean = {"moe": {"points": [_point(4, 1, [1.0, 1.05]), _point(4, 5, [1.3, 1.35])]}}
     assert measurement_warnings(clean, {"errors": {"all": {"cost_model": {"median": 0.05}}}}) \
         == []
+
+
+@pytest.mark.slow
+def test_study_prints_its_findings_and_writes_under_out_by_default(report, tmp_path, capsys,
+                                                                    monkeypatch):
+    """The terminal gets the findings (not only report.md), and without --out the report
+    goes to out/study-DATE-TIME, not into the working directory's study-report/."""
+    from specmoe.analysis.study_findings import findings
+    from specmoe.entrypoints import study_cli
+    results = json.loads((report / "results.json").read_text())
+    monkeypatch.setattr(study_cli, "run_study", lambda cfg, plan, console: (results, None))
+    monkeypatch.setattr(study_cli, "write_outputs", lambda results, out, analysis: None)
+    monkeypatch.chdir(tmp_path)
+    assert main(["study", "--quick", "--routing-model", "none", "--e2e-model", "none"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "findings" in err
+    for line in findings(results):
+        assert " ".join(line.split())[:60] in err
+    made = list((tmp_path / "out").glob("study-*"))
+    assert len(made) == 1 and not (tmp_path / "study-report").exists()
