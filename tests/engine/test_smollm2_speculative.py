@@ -19,6 +19,9 @@ MAX_TOKENS = 48
 NGRAM_K = 4
 DRAFT_K = 3
 LOGPROB_TOL = 1e-4
+# It loads the real model (four times: three engines, one draft), through fixtures the tests
+# reach by name, which the conftest's slow marking does not see.
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
