@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,8 +55,12 @@ def check_safetensors(model_dir: Path) -> list[Path]:
     """
     files = safetensors_files(model_dir)
     for file in files:
-        with _opened(file):
-            pass
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except SafetensorError as exc:
+            raise ValueError(f"{file} is not a readable safetensors file ({exc}); it may be "
+                             "truncated or damaged") from None
     return files
 
 
@@ -104,14 +107,3 @@ def _read_tensor(f, base: int, info: dict) -> torch.Tensor:
     f.seek(base + start)
     f.readinto(buf)
     return torch.frombuffer(buf, dtype=kind).reshape(info["shape"])
-
-
-@contextlib.contextmanager
-def _opened(file: Path):
-    """`safe_open(file)`, its errors raised as ValueError naming the file."""
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            yield f
-    except SafetensorError as exc:
-        raise ValueError(f"{file} is not a readable safetensors file ({exc}); it may be "
-                         "truncated or damaged") from None

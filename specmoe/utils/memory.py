@@ -3,6 +3,7 @@ allocation (a model, a group of worker processes) rather than after the OOM kill
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 GIB = 1 << 30
@@ -45,16 +46,12 @@ def release_free_memory() -> None:
         trim(0)
 
 
+@functools.cache
 def _malloc_trim():
+    """glibc's `malloc_trim`, or None where the C library has none."""
     import ctypes
     import ctypes.util
-    global _TRIM
-    if _TRIM is False:
-        try:
-            _TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _TRIM = None
-    return _TRIM
-
-
-_TRIM = False  # not looked up yet
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
