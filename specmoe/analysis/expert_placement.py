@@ -4,8 +4,8 @@ layers into the load a balanced `ExpertMap` is built from (`layers.moe.placement
 
 from __future__ import annotations
 
-from specmoe.layers.moe.backends import moe_blocks, set_expert_stats
-from specmoe.layers.moe.stats import ExpertLoadRecorder, NullExpertStats
+from specmoe.layers.moe.backends import expert_stats, moe_blocks
+from specmoe.layers.moe.stats import ExpertLoadRecorder
 from specmoe.sampling_params import SamplingParams
 
 EXPERT_LOAD_SAMPLE = "specmoe:moe_expert_load_total"
@@ -26,12 +26,9 @@ def measure_expert_load(llm, prompts: list[list[int]], max_tokens: int) -> dict[
         raise ValueError(f"{llm.config.model.model} has no MoE layer: no expert load to "
                          "measure")
     recorder = ExpertLoadRecorder(blocks[0].router.num_experts)
-    set_expert_stats(model, recorder)
-    try:
+    with expert_stats(model).subscribed(recorder):
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens,
                                              ignore_eos=True))
-    finally:
-        set_expert_stats(model, NullExpertStats())
     return recorder.take()
 
 

@@ -17,14 +17,14 @@ import torch
 from specmoe.analysis.routing_trace import RoutingTrace, concat_traces, empty_trace
 from specmoe.engine.core import NullStepObserver
 from specmoe.engine.scheduler import ScheduledRequest
-from specmoe.layers.moe.backends import moe_blocks, set_expert_stats
+from specmoe.layers.moe.backends import expert_stats, moe_blocks
 from specmoe.outputs import RequestOutput
 from specmoe.request import Request
 
 
 class RoutingCapture(NullStepObserver):
     """Records a routing trace while an engine runs: an expert-stats recorder for the target's
-    MoE blocks (`set_expert_stats`) and a step observer for the engine
+    MoE blocks (subscribed to `backends.expert_stats`) and a step observer for the engine
     (`EngineCore.step_observer`) that tags the rows of each forward.
 
     During a step the routing stays on the model's device; `on_step_verified` (the step's
@@ -136,12 +136,11 @@ def record_routing(llm, prompts, sampling_params=None
                          "routing to record")
     capture = RoutingCapture(blocks[0].router.num_experts, blocks[0].router.top_k,
                              [b.layer_idx for b in blocks], llm.config.model.model)
-    previous_stats, previous_observer = blocks[0].stats, llm.engine.step_observer
-    set_expert_stats(model, capture)
+    previous_observer = llm.engine.step_observer
     llm.engine.step_observer = capture
     try:
-        outputs = llm.generate(prompts, sampling_params)
+        with expert_stats(model).subscribed(capture):
+            outputs = llm.generate(prompts, sampling_params)
     finally:
-        set_expert_stats(model, previous_stats)
         llm.engine.step_observer = previous_observer
     return outputs, capture.trace()

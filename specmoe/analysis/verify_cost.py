@@ -31,7 +31,7 @@ import torch
 
 from specmoe.analysis.presets import Preset, fill_synthetic_
 from specmoe.bench.roofline import synchronize
-from specmoe.layers.moe.backends import moe_blocks, set_expert_stats
+from specmoe.layers.moe.backends import expert_stats, moe_blocks
 from specmoe.layers.moe.replay_router import ReplayRouter
 from specmoe.layers.moe.stats import ExpertStatsRecorder
 from specmoe.loader.model_loader import (DTYPES, LoadedModel, default_dtype,
@@ -168,16 +168,11 @@ class VerifyCostBench:
 
     def _count_unique(self, seqs: list[SequenceInput]) -> list[float]:
         """Distinct experts per MoE layer the model's own router picks for `seqs`, from an
-        untimed forward with a recorder attached (the previous recorders restored)."""
+        untimed forward with a recorder subscribed to the model's expert-stats hub."""
         if not self.blocks:
             return []
-        recorder, before = ExpertStatsRecorder(), [b.stats for b in self.blocks]
-        set_expert_stats(self.runner.model, recorder)
-        try:
+        with expert_stats(self.runner.model).subscribed(ExpertStatsRecorder()) as recorder:
             self.runner.execute(self.cache, seqs)
-        finally:
-            for block, stats in zip(self.blocks, before):
-                block.stats = stats
         return [float(counts[-1]) for _, counts in sorted(recorder.unique_experts.items())]
 
     def unique_experts(self, batch_size: int, num_tokens: int,

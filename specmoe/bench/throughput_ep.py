@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-from specmoe.layers.moe.backends import set_expert_stats
-from specmoe.layers.moe.stats import ExpertLoadRecorder, NullExpertStats
+from specmoe.layers.moe.backends import expert_stats
+from specmoe.layers.moe.stats import ExpertLoadRecorder
 from specmoe.worker.expert_parallel import CommunicationStats
 
 
@@ -20,7 +20,7 @@ class CommunicationProbe:
         self.llm = llm
         self.before = llm.target.comm.copy()
         self.recorder = ExpertLoadRecorder(llm.target.expert_map.num_experts)
-        set_expert_stats(llm.target.model, self.recorder)
+        expert_stats(llm.target.model).subscribe(self.recorder)
 
     @classmethod
     def start(cls, llm) -> "CommunicationProbe | None":
@@ -30,7 +30,7 @@ class CommunicationProbe:
     def finish(self) -> dict:
         """The run's communication totals' differences (share recomputed) and the pairs
         each rank served over all MoE layers; detaches the recorder."""
-        set_expert_stats(self.llm.target.model, NullExpertStats())
+        expert_stats(self.llm.target.model).unsubscribe(self.recorder)
         out = self.llm.target.comm.since(self.before).to_dict()
         emap = self.llm.target.expert_map
         return out | {"rank_load": emap.rank_loads_over_layers(self.recorder.take())}

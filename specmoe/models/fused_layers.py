@@ -190,7 +190,7 @@ class FusedLayers:
         self._num_slots = 0
         self._moes: list = []  # the C `Moe` records the table points at
         # (block, its recorder, its expert backend) per MoE block: plain attributes, which
-        # `set_expert_stats` and `set_moe_backend` assign without a generation change
+        # `ExpertStatsHub` and `set_moe_backend` assign without a generation change
         self._moe_state: list = []
         self._moe_sizes: decoder.MoeSizes | None = None
 

@@ -11,7 +11,7 @@ the expert bytes a memory-bound MoE layer reads (the union the study's cost mode
 `analysis.cost_model`; Huang et al. 2025, MoESD, arXiv 2505.19645, sec. 3).
 
 Measuring o needs the router's choices, which the fused decoder driver does not hand back:
-`RoutingSampler` attaches a recorder to the MoE blocks for one step in `every` of those that
+`RoutingSampler` subscribes a recorder to the model's expert-stats hub for one step in `every` of those that
 compute two adjacent tokens of a request (a draft window or a prompt chunk: a step of
 single-token decodes has no pair to measure) and at most `max_rows` rows, and measures o
 over adjacent tokens within each request's rows. A sampled step runs the blocks as
@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specmoe.layers.moe.backends import moe_blocks
+from specmoe.layers.moe.backends import expert_stats
 from specmoe.layers.moe.stats import ExpertStatsRecorder
 
 
@@ -68,35 +68,25 @@ def segment_overlap(ids: torch.Tensor, segments: list[int]) -> tuple[int, int]:
     return shared, pairs
 
 
-class _Tee:
-    """Records into two expert-stats recorders (the block's own and the sampler's)."""
-
-    def __init__(self, first, second) -> None:
-        self.first, self.second = first, second
-
-    def record(self, layer_idx: int, topk_ids: torch.Tensor,
-               topk_weights: torch.Tensor) -> None:
-        self.first.record(layer_idx, topk_ids, topk_weights)
-        self.second.record(layer_idx, topk_ids, topk_weights)
-
-
 class RoutingSampler:
     """Measures adjacent-token routing overlap on one engine step in `every` (module
-    docstring). `begin()` before the step's forward, `end(segments)` after it."""
+    docstring). `begin()` before the step's forward, `end(segments)` after it; with no
+    model (or no MoE block in it) no step is sampled."""
 
-    def __init__(self, model: torch.nn.Module, every: int = 64, max_rows: int = 64) -> None:
-        self.blocks = moe_blocks(model)
+    def __init__(self, model: torch.nn.Module | None, every: int = 64,
+                 max_rows: int = 64) -> None:
+        self.hub = expert_stats(model) if model is not None else None
+        self.blocks = self.hub.blocks if self.hub is not None else []
         self.every, self.max_rows = every, max_rows
         self._steps = 0
         self._recorder: ExpertStatsRecorder | None = None
-        self._own: list = []
 
     @property
     def applies(self) -> bool:
         return bool(self.blocks)
 
     def begin(self, longest_window: int, rows: int) -> bool:
-        """Attach the recorder if this step is sampled (`longest_window`: the most rows any
+        """Subscribe a recorder to the model's expert-stats hub if this step is sampled (`longest_window`: the most rows any
         request computes in it, `rows`: all of them; steps of one row each, or of more than
         `max_rows`, are never sampled nor counted); True when it is."""
         if not self.blocks or longest_window < 2 or rows > self.max_rows:
@@ -105,18 +95,15 @@ class RoutingSampler:
         if self._steps % self.every:
             return False
         self._recorder = ExpertStatsRecorder()
-        self._own = [b.stats for b in self.blocks]
-        for block, own in zip(self.blocks, self._own):
-            block.stats = _Tee(own, self._recorder)
+        self.hub.subscribe(self._recorder)
         return True
 
     def end(self, segments: list[int]) -> float | None:
-        """Give the blocks back their recorders; the step's overlap (None: not sampled, or
-        no request computed two adjacent tokens)."""
+        """Unsubscribe the step's recorder; the step's overlap (None: not sampled, or no
+        request computed two adjacent tokens)."""
         if self._recorder is None:
             return None
-        for block, own in zip(self.blocks, self._own):
-            block.stats = own
+        self.hub.unsubscribe(self._recorder)
         routing, self._recorder = self._recorder.routing, None
         shared = pairs = 0
         for per_forward in routing.values():

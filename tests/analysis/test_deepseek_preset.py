@@ -23,7 +23,7 @@ from specmoe.analysis.verify_cost import VerifyCostBench, build_synthetic
 from specmoe.config import MLAConfig
 from specmoe.layers.mla import MLAttention
 from specmoe.layers.mlp import GatedMLP
-from specmoe.layers.moe.backends import moe_blocks, set_expert_stats
+from specmoe.layers.moe.backends import expert_stats, moe_blocks
 from specmoe.layers.moe.stats import ExpertStatsRecorder
 from specmoe.models.registry import family_for
 
@@ -108,7 +108,7 @@ def test_the_study_routing_reaches_the_experts_of_every_moe_layer(dtype):
     runner = build_synthetic(TINY, dtype=dtype)
     recorder = ExpertStatsRecorder()
     bench = VerifyCostBench(runner, source, context_len=20, max_batch_size=3, max_num_tokens=4)
-    set_expert_stats(runner.model, recorder)
+    expert_stats(runner.model).subscribe(recorder)
     seconds, unique = bench.time_forward(3, 4)
     assert seconds > 0 and len(unique) == 2  # the MoE layers, not the dense one
     for block, u in zip(moe_blocks(runner.model), unique):

@@ -9,7 +9,7 @@ import torch
 from specmoe.analysis.presets import (PRESETS, Preset, check_preset_sizes, preset_size)
 from specmoe.analysis.routing_gen import CorrelatedRouting
 from specmoe.analysis.verify_cost import VerifyCostBench, build_synthetic, measure_grid
-from specmoe.layers.moe.backends import moe_blocks, set_expert_stats
+from specmoe.layers.moe.backends import expert_stats, moe_blocks
 from specmoe.layers.moe.stats import ExpertStatsRecorder
 from specmoe.models.decoder import DecoderModel
 
@@ -45,7 +45,7 @@ def test_replayed_routing_is_what_the_experts_receive():
     recorder = ExpertStatsRecorder()
     bench = VerifyCostBench(runner, CorrelatedRouting(8, 2, 0.5), context_len=20,
                             max_batch_size=3, max_num_tokens=4)
-    set_expert_stats(runner.model, recorder)
+    expert_stats(runner.model).subscribe(recorder)
     seconds, unique = bench.time_forward(3, 4)
     assert seconds > 0
     for block in moe_blocks(runner.model):

@@ -58,16 +58,17 @@ def test_expert_load_counts_every_routed_token(tiny_moe):
 
 
 def test_expert_load_is_recorded_in_one_step_of_every_few(tiny_moe):
-    from specmoe.layers.moe.backends import moe_blocks
+    from specmoe.layers.moe.backends import expert_stats, moe_blocks
     from specmoe.layers.moe.stats import NullExpertStats
-    blocks = moe_blocks(tiny_moe.target.model)
-    for b in blocks:  # as loaded (an earlier test attached its recorder)
-        b.stats = NullExpertStats()
+    blocks, hub = moe_blocks(tiny_moe.target.model), expert_stats(tiny_moe.target.model)
+    for recorder in hub.subscribers:  # as loaded (an earlier test subscribed its recorder)
+        hub.unsubscribe(recorder)
     metrics = ServerMetrics("tiny")
     assert metrics.attach_expert_load(tiny_moe.target.model, every=3)
     recording = []
     for steps in range(1, 8):
-        recording.append(all(b.stats is metrics.expert_load for b in blocks))
+        recording.append(hub.subscribers == (metrics.expert_load,)
+                         and all(b.stats is hub for b in blocks))
         metrics.on_step(replace(_snapshot(SpecDecodeStats()), num_steps=steps))
     # sampled steps 3 and 6 record; the others keep the blocks' own no-op recorder, which the
     # fused decoder driver requires

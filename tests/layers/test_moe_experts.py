@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specmoe.config import ArchConfig, MoEConfig
-from specmoe.layers.moe.backends import MOE_BACKENDS, moe_blocks, set_expert_stats, set_moe_backend
+from specmoe.layers.moe.backends import MOE_BACKENDS, expert_stats, moe_blocks, set_moe_backend
 from specmoe.layers.moe.experts import RoutedExperts
 from specmoe.layers.moe.stats import ExpertStatsRecorder, NullExpertStats
 from specmoe.loader.model_loader import LoadedModel
@@ -196,7 +196,7 @@ def test_unknown_backend_raises(runner):
 
 def test_expert_stats_recorder(runner):
     recorder = ExpertStatsRecorder()
-    set_expert_stats(runner.model, recorder)
+    expert_stats(runner.model).subscribe(recorder)
     block_inputs: dict[int, list[torch.Tensor]] = {}
     hooks = [b.register_forward_hook(
         lambda m, args, out: block_inputs.setdefault(m.layer_idx, []).append(args[0]))
@@ -222,9 +222,32 @@ def test_expert_stats_recorder(runner):
             assert 2 <= num_unique <= min(NUM_EXPERTS, ids.numel())
         assert recorder.unique_experts[layer][1] == 2  # one token: its k distinct experts
 
-    set_expert_stats(runner.model, NullExpertStats())  # detaching stops recording
+    expert_stats(runner.model).unsubscribe(recorder)  # unsubscribing stops recording
+    assert all(type(b.stats) is NullExpertStats for b in moe_blocks(runner.model))
     runner.forward(cache, [11])
     assert [len(v) for v in recorder.routing.values()] == [3, 3]
+
+
+def test_expert_stats_hub_fans_out_to_its_subscribers(runner):
+    """Two recorders subscribed to one model's hub see the same forwards; one that leaves
+    sees no more; with none left the blocks hold the no-op recorder the fused driver needs."""
+    hub = expert_stats(runner.model)
+    assert hub is expert_stats(runner.model)  # one hub per model
+    first, second = ExpertStatsRecorder(), ExpertStatsRecorder()
+    cache = runner.new_cache(16)
+    with hub.subscribed(first):
+        hub.subscribe(second)
+        hub.subscribe(second)  # subscribing twice records once
+        runner.forward(cache, list(range(5)))
+        hub.unsubscribe(second)
+        runner.forward(cache, [5])
+    runner.forward(cache, [6])
+    for layer in MOE_LAYERS:
+        assert [tuple(t.shape) for t in first.routing[layer]] == [(5, 2), (1, 2)]
+        assert torch.equal(first.routing[layer][0], second.routing[layer][0])
+        assert len(second.routing[layer]) == 1
+    assert hub.subscribers == ()
+    assert all(type(b.stats) is NullExpertStats for b in moe_blocks(runner.model))
 
 
 # ---- the grouped_mm backend and choosing a backend from configuration ----------------------

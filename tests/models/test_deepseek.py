@@ -17,7 +17,7 @@ import transformers
 from specmoe import LLM, SamplingParams
 from specmoe.config import ModelConfig
 from specmoe.layers.mla import MLAttention
-from specmoe.layers.moe.backends import set_expert_stats
+from specmoe.layers.moe.backends import expert_stats
 from specmoe.layers.paged_attention import AttentionMetadata, SequenceSlice
 from specmoe.loader.model_loader import load_model
 from specmoe.models.deepseek import parse_config
@@ -82,7 +82,7 @@ def test_same_experts_per_token_and_layer_as_transformers(saved: Saved):
     runner = ModelRunner(load_model(ModelConfig(str(saved.path), dtype="float32",
                                                 device="cpu")))
     routing = _Routing()
-    set_expert_stats(runner.model, routing)
+    expert_stats(runner.model).subscribe(routing)
     cache = runner.new_cache(24)
     for chunk in (ids[:17], ids[17:21], ids[21:22], ids[22:]):
         runner.forward(cache, chunk)

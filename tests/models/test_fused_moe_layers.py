@@ -19,8 +19,8 @@ from specmoe import LLM, SamplingParams
 from specmoe.config import ArchConfig, ModelConfig
 from specmoe.kernels import decoder
 from specmoe.layers.linear import prepack_weights
-from specmoe.layers.moe.backends import moe_blocks, set_expert_stats, set_moe_backend
-from specmoe.layers.moe.stats import ExpertStatsRecorder, NullExpertStats
+from specmoe.layers.moe.backends import expert_stats, moe_blocks, set_moe_backend
+from specmoe.layers.moe.stats import ExpertStatsRecorder
 from specmoe.loader.model_loader import default_dtype, load_model
 from specmoe.models.decoder import DecoderModel
 from specmoe.worker.kv_cache import PagedKVCache
@@ -103,7 +103,7 @@ def test_routing_ties_go_to_the_lower_expert_id(enabled, monkeypatch):
     assert len(calls) == len(SCHEDULE)
     assert_same_runs(fused, _run(model, arch, False))
     recorder = ExpertStatsRecorder()
-    set_expert_stats(model, recorder)
+    expert_stats(model).subscribe(recorder)
     _run(model, arch, True, schedule=SCHEDULE[:1])
     k = arch.moe.top_k
     for layer in arch.moe.moe_layers:
@@ -111,7 +111,7 @@ def test_routing_ties_go_to_the_lower_expert_id(enabled, monkeypatch):
 
 
 def _recorder(model):
-    set_expert_stats(model, ExpertStatsRecorder())
+    expert_stats(model).subscribe(ExpertStatsRecorder())
 
 
 def _hook(model):
@@ -138,11 +138,12 @@ def test_hooks_recorders_and_other_backends_send_forwards_to_the_modules(enabled
 
 
 def test_a_recorder_attached_after_the_table_was_built_is_served(enabled, monkeypatch):
-    """`set_expert_stats` assigns a plain attribute: the cached table must notice it."""
+    """A subscription puts the hub in the blocks' `stats` slot, a plain attribute: the cached
+    table must notice it."""
     model, arch = _qwen2_moe()
     _, cache = _run(model, arch, True, schedule=SCHEDULE[:1])
     recorder = ExpertStatsRecorder()
-    set_expert_stats(model, recorder)
+    expert_stats(model).subscribe(recorder)
     with _counting(monkeypatch) as calls:  # the same caches: no rebuild forced
         _run(model, arch, True, schedule=SCHEDULE[1:3], cache=cache)
     assert calls == [] and len(recorder.routing[0]) == 2
@@ -150,8 +151,9 @@ def test_a_recorder_attached_after_the_table_was_built_is_served(enabled, monkey
 
 def test_a_recorder_detached_lets_the_driver_run_again(enabled, monkeypatch):
     model, arch = _qwen2_moe()
-    set_expert_stats(model, ExpertStatsRecorder())
-    set_expert_stats(model, NullExpertStats())
+    recorder = ExpertStatsRecorder()
+    expert_stats(model).subscribe(recorder)
+    expert_stats(model).unsubscribe(recorder)
     with _counting(monkeypatch) as calls:
         _run(model, arch, True, schedule=SCHEDULE[:2])
     assert len(calls) == 2

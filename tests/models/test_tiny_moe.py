@@ -14,8 +14,8 @@ import transformers
 
 from specmoe import LLM, SamplingParams
 from specmoe.config import ModelConfig
-from specmoe.layers.moe.backends import set_expert_stats
-from specmoe.layers.moe.stats import ExpertStatsRecorder, NullExpertStats
+from specmoe.layers.moe.backends import expert_stats
+from specmoe.layers.moe.stats import ExpertStatsRecorder
 from specmoe.loader.aliases import MODELS_DATA_DIR, all_aliases, resolve_model_path
 from specmoe.loader.model_loader import LoadedModel, load_model
 from specmoe.worker.model_runner import ModelRunner
@@ -105,13 +105,9 @@ def test_routing_matches_transformers(pair: Pair):
     """Our router picks the same top-k experts as transformers' in every layer."""
     if not pair.loaded.arch.is_moe:
         pytest.skip("dense model")
-    recorder = ExpertStatsRecorder()
-    set_expert_stats(pair.loaded.model, recorder)
     ids = _ids(pair.tokenizer, TEXTS[0] + " " + TEXTS[1])
-    try:
+    with expert_stats(pair.loaded.model).subscribed(ExpertStatsRecorder()) as recorder:
         pair.runner.forward(pair.runner.new_cache(len(ids)), ids)
-    finally:
-        set_expert_stats(pair.loaded.model, NullExpertStats())
     with torch.no_grad():
         out = pair.hf_model(torch.tensor([ids]), output_router_logits=True)
     k = pair.loaded.arch.moe.top_k

@@ -40,8 +40,8 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, Pro
 
 from specmoe.engine.async_engine import EngineSnapshot, FinishedRecord, NullEngineObserver
 from specmoe.entrypoints.openai.ep_metrics import ExpertParallelMetrics
-from specmoe.layers.moe.backends import moe_blocks
-from specmoe.layers.moe.stats import ExpertLoadRecorder
+from specmoe.layers.moe.backends import expert_stats, moe_blocks
+from specmoe.layers.moe.stats import ExpertLoadRecorder, ExpertStatsHub
 
 P = "specmoe:"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -152,7 +152,7 @@ class ServerMetrics(NullEngineObserver):
         if not blocks:
             return False
         self.expert_load = ExpertLoadRecorder(blocks[0].router.num_experts)
-        self._expert_switch = _RecorderSwitch(blocks, self.expert_load, every)
+        self._expert_switch = _RecorderSwitch(expert_stats(model), self.expert_load, every)
         self._expert_switch.update(0)
         self._expert_counter = Counter(P + "moe_expert_load", "Tokens routed to each expert.",
                                        ["model_name", "layer", "expert"], registry=self.registry)
@@ -252,16 +252,16 @@ class ServerMetrics(NullEngineObserver):
 
 
 class _RecorderSwitch:
-    """Attaches an expert-stats recorder to MoE blocks for one engine step in `every` and
-    gives them back their own (the fused decoder driver keeps its table across the switch:
-    it checks that each block's recorder is the one it was built with)."""
+    """Subscribes an expert-stats recorder to a model's hub for one engine step in `every`
+    (the fused decoder driver keeps its table across the switch: it checks that each
+    block's recorder is the one it was built with)."""
 
-    def __init__(self, blocks: list, recorder, every: int) -> None:
-        self.blocks, self.recorder, self.every = blocks, recorder, every
-        self.own = [b.stats for b in blocks]
+    def __init__(self, hub: ExpertStatsHub, recorder, every: int) -> None:
+        self.hub, self.recorder, self.every = hub, recorder, every
 
     def update(self, num_steps: int) -> None:
         """Called after `num_steps` steps: record during the next one if it is sampled."""
-        on = (num_steps + 1) % self.every == 0
-        for block, own in zip(self.blocks, self.own):
-            block.stats = self.recorder if on else own
+        if (num_steps + 1) % self.every == 0:
+            self.hub.subscribe(self.recorder)
+        else:
+            self.hub.unsubscribe(self.recorder)

@@ -9,6 +9,7 @@ from torch import nn
 from specmoe.config import MOE_BACKEND_CHOICES
 from specmoe.layers.moe.block import SparseMoEBlock
 from specmoe.layers.moe.experts import RoutedExperts
+from specmoe.layers.moe.stats import ExpertStatsHub
 
 MOE_BACKENDS = {
     "fused": RoutedExperts.forward_fused,
@@ -62,11 +63,14 @@ def set_moe_backend(model: nn.Module, name: str) -> None:
         block.run_experts = getattr(experts, MOE_BACKENDS[name].__name__)
 
 
-def set_expert_stats(model: nn.Module, recorder) -> None:
-    """Attach `recorder` (with `record(layer_idx, topk_ids, topk_weights)`, see
-    `specmoe.layers.moe.stats`) to every MoE block."""
-    for block in moe_blocks(model):
-        block.stats = recorder
+def expert_stats(model: nn.Module) -> ExpertStatsHub:
+    """The model's expert-stats hub (`specmoe.layers.moe.stats`), made on first use: recorders
+    subscribe to it instead of taking the MoE blocks' `stats` slot."""
+    hub = model.__dict__.get("_expert_stats_hub")
+    if hub is None:
+        hub = ExpertStatsHub(moe_blocks(model))
+        model.__dict__["_expert_stats_hub"] = hub
+    return hub
 
 
 def moe_blocks(model: nn.Module) -> list[SparseMoEBlock]:

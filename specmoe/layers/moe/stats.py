@@ -1,11 +1,17 @@
-"""Expert statistics recorders. A disabled recorder is a no-op object, not an `if`.
+"""Expert statistics: each MoE block reports its routing to its model's `ExpertStatsHub`
+(`backends.expert_stats`), and recorders subscribe to the hub. A block with no subscriber
+holds a `NullExpertStats` (a no-op object, not an `if`), which the fused decoder driver
+requires (it hands no routing back).
 
-The protocol (what `set_expert_stats` attaches to every MoE block): one call per MoE layer
-and forward, `record(layer_idx, topk_ids, topk_weights)`, with the tensors still on the
-model's device; a recorder that needs them on the host copies them itself.
+The recorder protocol: one call per MoE layer and forward, `record(layer_idx, topk_ids,
+topk_weights)`, with the tensors still on the model's device; a recorder that needs them on
+the host copies them itself.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 
@@ -17,6 +23,56 @@ class NullExpertStats:
                topk_weights: torch.Tensor) -> None:
         """topk_ids [num_tokens, top_k] int64 and topk_weights [num_tokens, top_k] (the gate
         weights, in the hidden dtype) of one MoE layer's forward."""
+
+
+class ExpertStatsHub:
+    """One model's routing reports, fanned out to its subscribed recorders (the engine's
+    metrics, routing capture, the adaptive policy's overlap sampler, expert-parallel load,
+    placement and verification-cost measurements alike). Subscribers join and leave at step
+    boundaries; the hub sits in its MoE blocks' `stats` slot only while one is subscribed.
+
+    Args:
+        blocks: the model's MoE blocks (`backends.moe_blocks`).
+    """
+
+    def __init__(self, blocks: list) -> None:
+        self.blocks = blocks
+        self._subscribers: tuple = ()
+
+    def record(self, layer_idx: int, topk_ids: torch.Tensor,
+               topk_weights: torch.Tensor) -> None:
+        for recorder in self._subscribers:
+            recorder.record(layer_idx, topk_ids, topk_weights)
+
+    @property
+    def subscribers(self) -> tuple:
+        return self._subscribers
+
+    def subscribe(self, recorder) -> None:
+        """Send every later MoE forward's routing to `recorder` too (no-op if subscribed)."""
+        if any(r is recorder for r in self._subscribers):
+            return
+        self._subscribers += (recorder,)
+        self._attach()
+
+    def unsubscribe(self, recorder) -> None:
+        """Stop sending routing to `recorder` (no-op if it is not subscribed)."""
+        self._subscribers = tuple(r for r in self._subscribers if r is not recorder)
+        self._attach()
+
+    @contextlib.contextmanager
+    def subscribed(self, recorder) -> Iterator:
+        """`recorder` subscribed for the block's duration (unsubscribed on error too)."""
+        self.subscribe(recorder)
+        try:
+            yield recorder
+        finally:
+            self.unsubscribe(recorder)
+
+    def _attach(self) -> None:
+        quiet = NullExpertStats()
+        for block in self.blocks:
+            block.stats = self if self._subscribers else quiet
 
 
 class ExpertStatsRecorder:
@@ -41,7 +97,7 @@ class ExpertStatsRecorder:
 
 class ExpertLoadRecorder:
     """Counts, per MoE layer, the tokens routed to each expert (an expert-stats recorder for
-    `set_expert_stats`). Counts stay on the model's device during a step; `take` reads them
+    `ExpertStatsHub`). Counts stay on the model's device during a step; `take` reads them
     at the step boundary (the one host sync).
 
     Args:
