@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 SPECULATIVE_METHODS = ("ngram", "draft")
 SPECULATIVE_POLICIES = ("static", "batch_size_table", "adaptive")
-DRAFT_COSTS = ("per_depth", "rows")
 QUANTIZATION_METHODS = ("int8", "int4")
 # How routed experts run (`specmoe.layers.moe.backends`): "auto" picks per device and kernels.
 MOE_BACKEND_CHOICES = ("auto", "fused", "grouped", "grouped_mm", "reference")
@@ -326,11 +325,6 @@ class SpeculativeConfig:
             scheduler's max_num_seqs. A large batch is bound by compute, where verifying K
             drafts per request can cost more than it saves: `specmoe bench throughput` shows
             from which batch size on for a model and machine.
-        draft_cost: how the "adaptive" policy prices a draft model's work: "per_depth" (the
-            seconds per draft token and, apart, per token of each request's catch-up,
-            `spec_decode.time_models.DraftDepthModel`) or "rows" (each draft forward by its
-            rows, `DraftTimeModel`; experimental); either way a starting request's
-            catch-up is spread over the steps it may still draft for.
         match_trim: whether the "adaptive" policy cuts each prompt-lookup proposal to the
             drafts worth their rows given its match length (`spec_decode.match_trim`).
     """
@@ -344,7 +338,6 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     policy: str = "static"
     batch_size_table: dict | None = None
-    draft_cost: str = "per_depth"
     match_trim: bool = True
 
     def __post_init__(self) -> None:
@@ -370,9 +363,6 @@ class SpeculativeConfig:
         if self.policy not in SPECULATIVE_POLICIES:
             raise ValueError(f"invalid speculative policy={self.policy!r}: must be one of "
                              f"{SPECULATIVE_POLICIES}")
-        if self.draft_cost not in DRAFT_COSTS:
-            raise ValueError(f"invalid draft_cost={self.draft_cost!r}: must be one of "
-                             f"{DRAFT_COSTS}")
         if not isinstance(self.match_trim, bool):
             raise ValueError(f"invalid match_trim={self.match_trim!r}: must be true or false")
         if (self.policy == "batch_size_table") != (self.batch_size_table is not None):

@@ -18,6 +18,42 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(slots=True)
+class DraftState:
+    """A request's drafts for its next step: what a proposer proposed and the scheduler,
+    the policy and verification read, cut only through `truncate`.
+
+    Attributes:
+        token_ids: the draft tokens, in order (empty: none).
+        probs: [len(token_ids), vocab_size] float32 torch tensor, the draft distribution q
+            each token was sampled from, or None (a deterministic proposer: q one-hot).
+        match_length: prompt lookup's matched n-gram length behind the drafts (0: not
+            prompt lookup, or nothing matched).
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    probs: object = None
+    match_length: int = 0
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def truncate(self, n: int) -> int:
+        """Keep the first `n` drafts (n >= 0; no-op if there are no more); returns how many
+        were cut."""
+        cut = len(self.token_ids) - n
+        if cut <= 0:
+            return 0
+        self.token_ids = self.token_ids[:n]
+        if self.probs is not None:
+            self.probs = self.probs[:n]
+        return cut
+
+    def clear(self) -> None:
+        """Drop every draft."""
+        self.token_ids, self.probs, self.match_length = [], None, 0
+
+
 @dataclass
 class Request:
     """A request and everything generated for it so far.
@@ -32,7 +68,8 @@ class Request:
         stop_reason: the stop string or stop token id that ended it (None for EOS/length).
         status: scheduling state.
         num_computed_tokens: leading tokens of `all_token_ids` whose KV is in the cache.
-        spec_token_ids: draft tokens to verify in its next step (dropped on preemption).
+        draft: the drafts to verify in its next step (cleared on preemption and after
+            each step).
         num_speculative_tokens: its K (0: no speculation), resolved by the engine.
         num_preemptions: times its KV cache was freed to make room for others.
     """
@@ -51,7 +88,7 @@ class Request:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
-    spec_token_ids: list[int] = field(default_factory=list)
+    draft: DraftState = field(default_factory=DraftState)
     num_speculative_tokens: int = 0
     num_preemptions: int = 0
     _all_token_ids: list[int] = field(init=False, repr=False, compare=False)

@@ -51,8 +51,8 @@ class ThroughputBenchConfig:
             this many requests run (`SpeculativeConfig.disable_by_batch_size`; None: never).
         policies: speculative modes by policy, each against plain in the same sweep:
             "static:K" (every request drafts K), "table" (`batch_size_table`),
-            "adaptive" (`SpeculativeConfig.policy`), "adaptive:rows" (adaptive with
-            `draft_cost` "rows") and "adaptive:notrim" (adaptive without `match_trim`); empty: the one mode "spec" (static
+            "adaptive" (`SpeculativeConfig.policy`) and "adaptive:notrim" (adaptive
+            without `match_trim`); empty: the one mode "spec" (static
             num_speculative_tokens with spec_disable_by_batch_size).
         batch_size_table: the "table" policy's ranges, vLLM style ({"1-4": 4, ...}).
         aa_control: also run AA_MODE, a second engine without speculation over the same
@@ -178,9 +178,8 @@ def policy_speculative(policy: str, k_max: int, table: dict | None) -> dict:
     Raises:
         ValueError: an unknown policy, a bad static K, or "table" without a table.
     """
-    if policy in ("adaptive", "adaptive:rows", "adaptive:notrim"):
+    if policy in ("adaptive", "adaptive:notrim"):
         return {"policy": "adaptive", "num_speculative_tokens": k_max,
-                "draft_cost": "rows" if policy == "adaptive:rows" else "per_depth",
                 "match_trim": policy != "adaptive:notrim"}
     if policy == "table":
         if not table:
@@ -191,7 +190,7 @@ def policy_speculative(policy: str, k_max: int, table: dict | None) -> dict:
     if name == "static" and k.isdigit() and 1 <= int(k) <= 64:
         return {"policy": "static", "num_speculative_tokens": int(k)}
     raise ValueError(f"invalid policy {policy!r}: expected static:K (1 <= K <= 64), table, "
-                     "adaptive, adaptive:rows or adaptive:notrim")
+                     "adaptive or adaptive:notrim")
 
 
 # ---------------------------------------------------------------- prompts
@@ -369,10 +368,9 @@ def warm_up(engines: dict, prompts: list[dict], max_batches: int = 8) -> None:
     from specmoe.sampling_params import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     for llm in engines.values():
-        policy = getattr(getattr(llm, "engine", None), "policy", None)
         for _ in range(max_batches):
             llm.generate([p["token_ids"] for p in prompts[:2]], params)
-            if policy is None or policy.calibrated:
+            if llm.engine.policy.calibrated:
                 break
 
 

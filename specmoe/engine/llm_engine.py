@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from specmoe.config import (EngineConfig, ExpertParallelConfig, ModelConfig, SchedulerConfig,
-                            SpeculativeConfig, parse_batch_size_table)
+                            SpeculativeConfig)
 from specmoe.engine.core import EngineCore
 from specmoe.engine.kv_cache_manager import blocks_for_requests
 from specmoe.engine.output_processor import OutputProcessor
@@ -23,9 +23,8 @@ from specmoe.loader.model_loader import TokenizerMissing, load_model, resolve_dt
 from specmoe.outputs import RequestOutput
 from specmoe.request import Request
 from specmoe.sampling_params import SamplingParams
-from specmoe.spec_decode.adaptive import AdaptivePolicy, AdaptiveSettings
-from specmoe.spec_decode.shadow import SHADOW_EVERY
-from specmoe.spec_decode.factory import build_proposer
+from specmoe.spec_decode.factory import build_policy, build_proposer
+from specmoe.spec_decode.proposer import NoProposer
 from specmoe.worker.kv_cache import PagedKVCache
 from specmoe.worker.model_runner import ModelRunner
 
@@ -137,16 +136,12 @@ class LLM:
         self.proposer = None if speculative is None else build_proposer(
             speculative, self.target, self.tokenizer, self.config.model, num_blocks,
             sched.block_size, self._loaded_drafts)
-        k = speculative.num_speculative_tokens if speculative else 0
-        table = speculative.batch_size_table if speculative else None
         adaptive = speculative is not None and speculative.policy == "adaptive"
-        self.validator = dataclasses.replace(self.validator,
-                                             max_speculative_tokens=k if adaptive else None)
-        self.engine = EngineCore(self.target, self.proposer, self.processor, sched,
-                                 num_blocks, k, speculative.disable_by_batch_size
-                                 if speculative else None,
-                                 parse_batch_size_table(table) if table else None,
-                                 _adaptive_policy(speculative, self.target))
+        self.validator = dataclasses.replace(self.validator, max_speculative_tokens=(
+            speculative.num_speculative_tokens if adaptive else None))
+        self.engine = EngineCore(self.target, self.proposer or NoProposer(), self.processor,
+                                 sched, num_blocks,
+                                 build_policy(speculative, self.target, self.proposer))
 
     def shutdown(self) -> None:
         """Stop the expert-parallel worker processes (no-op in one process); a worker that
@@ -293,22 +288,6 @@ def _start_expert_parallel(ep: ExpertParallelConfig, model_config) -> list:
         return []
     from specmoe.worker.ep_launch import start_group
     return start_group(model_config, ep)
-
-
-def _adaptive_policy(speculative: SpeculativeConfig | None, target: ModelRunner
-                     ) -> AdaptivePolicy | None:
-    """The adaptive policy, told the target's routed experts when it is a MoE (every MoE
-    layer alike: the step-time model's expert term is per layer)."""
-    if speculative is None or speculative.policy != "adaptive":
-        return None
-    moe = target.arch.moe
-    n, k = (moe.num_experts, moe.top_k) if moe is not None and moe.moe_layers else (0, 0)
-    return AdaptivePolicy(AdaptiveSettings(max_k=speculative.num_speculative_tokens,
-                                           num_experts=n, top_k=k,
-                                           draft_rows_model=speculative.draft_cost == "rows",
-                                           match_trim=speculative.match_trim,
-                                           shadow_every=(SHADOW_EVERY if speculative.method
-                                                         == "ngram" else 0)))
 
 
 def _num_kv_blocks(cfg: SchedulerConfig, target: ModelRunner) -> int:

@@ -183,7 +183,7 @@ class Scheduler:
             req = self.requests.get(s.request_id)
             if req is None:  # aborted after scheduling
                 continue
-            req.spec_token_ids = []
+            req.draft.clear()
             # A finished request may have kept fewer tokens than it computed (an early stop).
             req.num_computed_tokens = min(
                 s.start_pos + len(s.token_ids) - num_rejected.get(s.request_id, 0),
@@ -202,7 +202,8 @@ class Scheduler:
             token_ids = req.all_token_ids
             gap = token_ids[req.num_computed_tokens:]
             chunk = gap[:budget]
-            drafts = req.spec_token_ids[:budget - len(chunk)] if len(chunk) == len(gap) else []
+            req.draft.truncate(budget - len(chunk) if len(chunk) == len(gap) else 0)
+            drafts = list(req.draft.token_ids)
             block_ids = self._allocate_or_preempt(req, token_ids, chunk, drafts, out)
             if block_ids is None:  # req itself was preempted
                 break
@@ -224,7 +225,7 @@ class Scheduler:
                 return self.kv_cache.get_block_ids(req.request_id)
             if drafts:  # drafts are cheaper to lose than another request's KV cache
                 drafts.clear()
-                req.spec_token_ids = []
+                req.draft.clear()
                 continue
             victim = self.running[-1]
             self._preempt(victim)
@@ -265,7 +266,7 @@ class Scheduler:
         self._free_blocks(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        req.spec_token_ids = []
+        req.draft.clear()
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)

@@ -191,8 +191,7 @@ def add_bench_throughput_parser(bench) -> None:
     tp.add_argument("--speculative-policy", type=comma_list(), default=[],
                     help="speculative modes by policy, each against plain in one interleaved "
                          "sweep: static:K, table (--speculative-batch-size-table), adaptive "
-                         "(K_max -k), adaptive:rows (drafting priced by rows), "
-                         "adaptive:notrim (no cut of n-gram proposals by match length); "
+                         "(K_max -k), adaptive:notrim (no cut of n-gram proposals by match length); "
                          "e.g. static:1,static:2,static:4,static:8,table,adaptive "
                          "(default: one static mode, 'spec')")
     tp.add_argument("--speculative-batch-size-table", type=json_dict, default=None,

@@ -1,4 +1,4 @@
-"""The adaptive policy's choice of K per request (`spec_decode.adaptive`, module docstring):
+"""The adaptive policy's choice of K per request (docs/adaptive.md):
 the drafts with the most expected tokens first, each draft depth tried, the one with the most
 expected tokens per second kept. All depths are searched in one pass over [depths,
 candidates] arrays: a solve per depth in a Python loop cost ~0.4 ms, 3% of a SmolLM2 step
@@ -8,25 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from specmoe.spec_decode.time_models import call_rows
-
-
-def _drafting_seconds(order: np.ndarray, max_k: int, depths: np.ndarray, lags: np.ndarray,
-                      forward_s) -> np.ndarray:
-    """[depths.size, order.size + 1] seconds of the draft forwards for every prefix of the
-    candidate drafts `order` (flat indices into [B, max_k]) at each draft depth: position 0
-    adds the request's catch-up rows `lags` to the first forward, position j one row to
-    forward j; a depth D runs forwards 0..D-1 (a candidate at position >= D is not drafted
-    there, and adds rows only to forwards D does not run)."""
-    pos, req = order % max_k, order // max_k
-    rows = np.zeros((order.size + 1, max_k))
-    rows[np.arange(1, order.size + 1), pos] = np.where(pos == 0, lags[req], 1.0)
-    per_forward = np.cumsum(forward_s(np.cumsum(rows, axis=0)), axis=1)  # [n + 1, max_k]
-    return per_forward[:, depths - 1].T
-
 
 def choose_ks(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float,
-              miss_step: np.ndarray | None = None, draft_rows=None,
+              miss_step: np.ndarray | None = None,
               fills: np.ndarray | None = None, min_gain: float = 0.0,
               starts: np.ndarray | None = None, draft_call_s: float = 0.0
               ) -> tuple[np.ndarray, float]:
@@ -41,14 +25,9 @@ def choose_ks(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float,
             the log of the share of experts its windows miss and the draft rows' variance
             (None: the rows are known) (arrays of one shape, any shape -> an array of
             seconds of that shape), non-decreasing in the first two.
-        draft_s: drafting seconds per depth (with `draft_rows`: the least a forward
-            costs, for the bound that may skip the search).
+        draft_s: drafting seconds per depth.
         miss_step: [max_k + 1], a MoE target's log-miss of a window of 1 + j tokens
             (`routing_overlap.miss_log`); None for a dense target.
-        draft_rows: None, or (lags [B], forward_s): each request's catch-up rows in the
-            first draft forward and the draft's seconds per forward from its rows
-            (`DraftTimeModel.forward_s`); the drafting then costs its forwards, not
-            draft_s x depth.
         fills: None (every allowed draft is proposed), or [B, max_k] in (0, 1], the chance
             that the proposer fills each request's j-th slot when allowed it, non-increasing
             in j (prompt lookup proposes only what follows a match): a slot then adds that
@@ -63,8 +42,8 @@ def choose_ks(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float,
             `draft_s`), taken with its first draft. A dear start early in the order would
             cut every prefix past it, so the search is run again with the 1, 2, 4, ... and
             all requests of dearest starts left out, and the best kept.
-        draft_call_s: seconds a drafting call costs whatever its depth (without
-            `draft_rows`), paid once where any request drafts.
+        draft_call_s: seconds a drafting call costs whatever its depth, paid once where
+            any request drafts.
     Returns:
         (ks [B] int64, the predicted tokens per second).
 
@@ -83,12 +62,12 @@ def choose_ks(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float,
                     min(max_k, int(caps.max(initial=0))), bar):
         return best
     masks = _dearest_starts(starts, b)
-    if len(masks) > 1 and not _relaxed_may_pay(gains, caps, step_s, draft_s, miss, draft_rows,
-                                                fills, starts, draft_call_s, bar):
+    if len(masks) > 1 and not _relaxed_may_pay(gains, caps, step_s, draft_s, miss, fills,
+                                                starts, draft_call_s, bar):
         return best
     for left_out in masks:
         ks, rate = _search(gains, np.where(left_out, 0, caps), step_s, draft_s, miss,
-                           draft_rows, fills, starts, draft_call_s)
+                           fills, starts, draft_call_s)
         if rate > best[1] and rate > bar:
             best = ks, rate
     return best
@@ -109,8 +88,8 @@ def _dearest_starts(starts: np.ndarray | None, b: int) -> list[np.ndarray]:
 
 
 def _search(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float, miss: np.ndarray,
-            draft_rows, fills: np.ndarray | None, starts: np.ndarray | None,
-            draft_call_s: float) -> tuple[np.ndarray, float]:
+            fills: np.ndarray | None, starts: np.ndarray | None, draft_call_s: float
+            ) -> tuple[np.ndarray, float]:
     """`choose_ks`' search over every draft depth and prefix of the candidates (its
     docstring): the best Ks and their rate (0 where no request may draft)."""
     b, max_k = gains.shape
@@ -130,8 +109,7 @@ def _search(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float, miss: n
     # a request's j-th draft grows its window from j + 1 to j + 2 tokens
     misses = base_miss + _prefix_sums(taken * (np.diff(miss)[pos] * rows))
     var = None if fills is None else _prefix_sums(taken * _row_variance(f).reshape(-1)[order])
-    drafting = (draft_call_s + draft_s * depths[:, None] if draft_rows is None
-                else _drafting_seconds(order, max_k, depths, *draft_rows))
+    drafting = draft_call_s + draft_s * depths[:, None]
     if starts is not None:
         drafting = drafting + _prefix_sums(taken * np.where(pos == 0, starts[order // max_k],
                                                             0.0))
@@ -176,8 +154,8 @@ def _may_pay(gains: np.ndarray, caps: np.ndarray, plain_s: float, draft_s: float
 
 
 def _relaxed_may_pay(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float,
-                     miss: np.ndarray, draft_rows, fills: np.ndarray | None,
-                     starts: np.ndarray, draft_call_s: float, plain_rate: float) -> bool:
+                     miss: np.ndarray, fills: np.ndarray | None, starts: np.ndarray,
+                     draft_call_s: float, plain_rate: float) -> bool:
     """Whether any choice could beat `plain_rate` with every request's start (its draft
     catch-up) free and its drafts touching no expert the batch's windows did not: one
     search instead of `choose_ks`' one per set of dearest starts left out (log2 B + 2),
@@ -187,29 +165,22 @@ def _relaxed_may_pay(gains: np.ndarray, caps: np.ndarray, step_s, draft_s: float
     drafting costs the same for any choice at one depth (`draft_s` per depth); with every
     slot filled, each prefix of the candidates by value then has the most expected tokens
     of any choice of as many drafts at its depth, so no choice beats the best prefix.
-    True (no bound) where slots may go unfilled (`fills` below 1) or the draft is priced
-    by its forwards' rows (`draft_rows`: its hinged time makes a choice's drafting depend
-    on how its drafts spread over the forwards)."""
-    if (draft_rows is not None or (starts < 0).any()
-            or (fills is not None and not (fills == 1.0).all())):
+    True (no bound) where slots may go unfilled (`fills` below 1)."""
+    if (starts < 0).any() or (fills is not None and not (fills == 1.0).all()):
         return True
     flat = np.full_like(miss, miss[0])  # the drafts add no log-miss: the base windows'
-    _, rate = _search(gains, caps, step_s, draft_s, flat, None, None, None, draft_call_s)
+    _, rate = _search(gains, caps, step_s, draft_s, flat, None, None, draft_call_s)
     return rate > plain_rate
 
 
 def predicted_rate(ks: np.ndarray, gains: np.ndarray, step_s, draft_s: float,
-                   miss_step: np.ndarray | None = None, draft_rows=None,
+                   miss_step: np.ndarray | None = None,
                    fills: np.ndarray | None = None, starts: np.ndarray | None = None,
                    draft_call_s: float = 0.0) -> float:
     """Expected tokens per second of the batch at `ks` (`choose_ks`'s arguments)."""
     tokens = len(ks) + sum(float(g[:k].sum()) for g, k in zip(gains, ks))
-    if draft_rows is None:
-        depth = int(ks.max(initial=0))
-        drafting = draft_call_s + draft_s * depth if depth else 0.0
-    else:
-        lags, forward_s = draft_rows
-        drafting = float(forward_s(call_rows(ks.tolist(), lags.tolist())).sum())
+    depth = int(ks.max(initial=0))
+    drafting = draft_call_s + draft_s * depth if depth else 0.0
     if starts is not None:
         drafting += float(starts[ks > 0].sum())
     return tokens / (_step_seconds(ks, gains.shape[1], step_s, miss_step, fills) + drafting)

@@ -76,7 +76,8 @@ class DraftModelProposer:
         proposals = [DraftProposal([]) for _ in reqs]
         drafting, inputs = [], []
         for index, req in enumerate(reqs):
-            num_tokens = min(req.num_tokens, self.runner.max_model_len - len(req.context))
+            num_tokens = min(req.max_num_draft_tokens,
+                             self.runner.max_model_len - len(req.context))
             seq = self._catch_up(req, num_tokens) if num_tokens > 0 else None
             if seq is not None:
                 drafting.append(_Drafting(index, req, num_tokens, seq.block_ids, [], []))

@@ -1,12 +1,43 @@
-"""Building the proposer a SpeculativeConfig asks for."""
+"""Building the proposer and the speculation policy a SpeculativeConfig asks for."""
 
 from __future__ import annotations
 
-from specmoe.config import ModelConfig, SpeculativeConfig
+from specmoe.config import ModelConfig, SpeculativeConfig, parse_batch_size_table
 from specmoe.loader.model_loader import load_model
+from specmoe.spec_decode.adaptive import AdaptivePolicy, AdaptiveSettings
 from specmoe.spec_decode.draft_model import DraftModelProposer
 from specmoe.spec_decode.ngram import NgramProposer
+from specmoe.spec_decode.policy import (BatchSizeTablePolicy, NoSpeculation, SpeculationPolicy,
+                                        StaticPolicy)
+from specmoe.spec_decode.shadow import SHADOW_EVERY
 from specmoe.worker.model_runner import ModelRunner
+
+
+def build_policy(spec: SpeculativeConfig | None, target: ModelRunner,
+                 proposer) -> SpeculationPolicy:
+    """The policy `spec.policy` names, for `target` and `proposer`: `NoSpeculation` without
+    a config; the adaptive policy is told the target's routed experts when it is a MoE
+    (every MoE layer alike: the step-time model's expert term is per layer) and shadows
+    prompt lookup's proposals.
+
+    Raises:
+        ValueError: from `AdaptivePolicy` (shadows of a proposer that keeps state).
+    """
+    limit = target.max_model_len
+    if spec is None:
+        return NoSpeculation(limit)
+    k, pause = spec.num_speculative_tokens, spec.disable_by_batch_size
+    if spec.policy == "batch_size_table":
+        return BatchSizeTablePolicy(limit, k, parse_batch_size_table(spec.batch_size_table),
+                                    pause)
+    if spec.policy != "adaptive":
+        return StaticPolicy(limit, k, pause)
+    moe = target.arch.moe
+    n, top_k = (moe.num_experts, moe.top_k) if moe is not None and moe.moe_layers else (0, 0)
+    settings = AdaptiveSettings(max_k=k, num_experts=n, top_k=top_k,
+                                match_trim=spec.match_trim,
+                                shadow_every=SHADOW_EVERY if spec.method == "ngram" else 0)
+    return AdaptivePolicy(settings, limit, proposer, target.model, pause)
 
 
 def build_proposer(spec: SpeculativeConfig, target: ModelRunner, target_tokenizer,

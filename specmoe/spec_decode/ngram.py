@@ -78,7 +78,8 @@ class NgramProposer:
         (stateless)."""
         out = []
         for r in reqs:
-            tokens, n = find_ngram_match(r.context, self.min_n, self.max_n, r.num_tokens)
+            tokens, n = find_ngram_match(r.context, self.min_n, self.max_n,
+                                         r.max_num_draft_tokens)
             out.append(DraftProposal(tokens, match_length=n))
         return out
 

@@ -37,15 +37,15 @@ class ProposeRequest:
     Attributes:
         request_id: identifies per-request proposer state (e.g. a draft KV cache).
         context: prompt + emitted tokens so far.
-        num_tokens: at most this many draft tokens (already bounded by max_tokens and the
-            context limit).
+        max_num_draft_tokens: at most this many draft tokens (the request's K for this
+            step, already bounded by max_tokens and the context limit).
         params: the request's sampling parameters (a draft model drafts under them).
         generator: the request's random generator (None: torch's default).
     """
 
     request_id: str
     context: list[int]
-    num_tokens: int
+    max_num_draft_tokens: int
     params: SamplingParams
     generator: torch.Generator | None
 
@@ -57,8 +57,21 @@ class Proposer(Protocol):
     name: str
 
     def propose(self, reqs: list[ProposeRequest]) -> list[DraftProposal]:
-        """Draft at most `r.num_tokens` tokens continuing `r.context` for each request, in
+        """Draft at most `r.max_num_draft_tokens` tokens continuing `r.context` for each request, in
         order (an empty proposal when it cannot draft)."""
 
     def free(self, request_id: str) -> None:
         """The request finished, was aborted or preempted: drop its state (no-op if none)."""
+
+
+class NoProposer:
+    """The proposer of an engine without speculation (`policy.NoSpeculation` never asks
+    it): proposes nothing, keeps no state."""
+
+    name = "none"
+
+    def propose(self, reqs: list[ProposeRequest]) -> list[DraftProposal]:
+        return [DraftProposal([]) for _ in reqs]
+
+    def free(self, request_id: str) -> None:
+        """Nothing to drop."""

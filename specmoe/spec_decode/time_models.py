@@ -162,48 +162,6 @@ class StepTimeModel:
         return np.maximum(feats @ self.coef, self._floor)
 
 
-class DraftTimeModel(_CallWindow):
-    """A draft model's seconds per forward as an increasing piecewise-linear function of its
-    rows (the features of `StepTimeModel`), fitted by non-negative least squares
-    (relative error) on whole drafting calls: a call's features are the sum of its
-    forwards' (`forward_rows`: the first over every drafting request's catch-up tokens,
-    each later one over the requests still drafting)."""
-
-    def __init__(self, window: int, min_calls: int) -> None:
-        super().__init__(window, min_calls)  # calls: (summed features, seconds, forwards)
-        self._floor = 0.0  # least seconds a forward may be predicted to take
-
-    def observe(self, forward_rows: list[int], seconds: float) -> None:
-        """A drafting call that ran forwards of these rows in `seconds`."""
-        if forward_rows and seconds > 0:
-            self._record((_row_features(forward_rows).sum(axis=0), seconds,
-                          len(forward_rows)))
-
-    def refresh(self) -> None:
-        """Fit once `min_calls` calls are in, then again after every 4 more."""
-        if self._fit_due():
-            feats = np.stack([f for f, _, _ in self._calls])
-            self.coef = _relative_nnls(feats, np.array([t for _, t, _ in self._calls]))
-            self._floor = 0.5 * float(min(t / n for _, t, n in self._calls))
-
-    def forward_s(self, rows) -> np.ndarray:
-        """Seconds of a forward of `rows` (any shape); 0 where rows is 0 (no forward runs).
-        Call after a fit (`coef` set)."""
-        r = np.asarray(rows, dtype=float)
-        return np.where(r > 0, np.maximum(_row_features(r) @ self.coef, self._floor), 0.0)
-
-
-def call_rows(ks, pending) -> list[float]:
-    """The rows of each forward of a drafting call that drafts ks[i] tokens for request i,
-    whose draft cache lacks pending[i] tokens: [sum of pending where ks >= 1, then the
-    number of requests with ks > j for j = 1..max(ks) - 1]."""
-    depth = max(ks, default=0)
-    if depth < 1:
-        return []
-    first = sum(p for k, p in zip(ks, pending) if k > 0)
-    return [float(first)] + [float(sum(1 for k in ks if k > j)) for j in range(1, depth)]
-
-
 class DraftDepthModel(_CallWindow):
     """A draft model's seconds per call as c + d x depth + e x catch-up: c the call's fixed
     cost (dispatch, sampling set-up), d the seconds per draft token of the batch (one

@@ -327,9 +327,7 @@ def test_policy_config():
     assert ThroughputBenchConfig(aa_control=True).modes == ["plain", "plain2", "spec"]
     assert ThroughputBenchConfig(draft="none", aa_control=True).modes == ["plain", "plain2"]
     assert policy_speculative("adaptive", 8, None) == {
-        "policy": "adaptive", "num_speculative_tokens": 8, "draft_cost": "per_depth",
-        "match_trim": True}
-    assert policy_speculative("adaptive:rows", 8, None)["draft_cost"] == "rows"
+        "policy": "adaptive", "num_speculative_tokens": 8, "match_trim": True}
     assert policy_speculative("adaptive:notrim", 8, None)["match_trim"] is False
     assert policy_speculative("table", 8, {"1-4": 4})["num_speculative_tokens"] == 4
     for bad in ("static:0", "static:x", "greedy"):

@@ -20,7 +20,7 @@ def test_adaptive_policy_measures_routing_overlap_on_a_moe_target():
                                    "num_speculative_tokens": 4, "policy": "adaptive"})
     core = spec.engine
     assert core.policy.s.is_moe and core.policy.step_time.moe
-    core.routing_sampler.every = 2
+    core.policy.routing_sampler.every = 2
     prompts = [[5 + i, 17, 42, 99, 7 + i] for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     expected = [o.token_ids for o in plain.generate(prompts, params)]
@@ -49,28 +49,6 @@ def test_engines_from_one_llm_share_one_draft_copy_and_keep_their_own_caches():
     expected = [o.token_ids for o in plain.generate(prompts, params)]
     for llm in (static, adaptive, static):
         assert [o.token_ids for o in llm.generate(prompts, params)] == expected
-
-
-def test_rows_priced_drafting_fits_the_draft_forwards_and_stays_lossless():
-    plain = LLM("tiny-moe", dtype="float32")
-    spec = plain.with_speculative({"method": "draft", "draft_model": "tiny-moe-draft",
-                                   "num_speculative_tokens": 4, "policy": "adaptive",
-                                   "draft_cost": "rows"})
-    core = spec.engine
-    assert core.policy.s.draft_rows_model
-    prompts = [[5 + i, 17, 42, 99, 7 + i] for i in range(6)]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    expected = [o.token_ids for o in plain.generate(prompts, params)]
-    assert [o.token_ids for o in spec.generate(prompts, params)] == expected
-    model = core.policy.draft_time
-    assert model._observed >= 4
-    model.min_calls = 4  # the poor tiny draft is soon held off: fit on the calls it made
-    model.refresh()
-    assert model.coef is not None
-    # the first call of each request ran its whole prompt through the draft (the calls'
-    # summed features: 1, the one-to-two-rows step, rows, ...)
-    assert max(f[2] for f, _, _ in model._calls) >= 5
-    assert model.forward_s(1.0) > 0
 
 
 def test_drafting_is_priced_apart_from_catch_ups_over_the_tokens_left():
@@ -152,9 +130,8 @@ def _pin_clock(policy, forward_s, draft_s: float) -> None:
                                                 policy.leased_step)
     policy.observe_step = lambda rows, seconds, windows=None: observe_step(
         rows, forward_s(rows), windows)
-    policy.observe_draft = lambda depth, seconds, forward_rows=None, catch_ups=None: (
-        observe_draft(depth, draft_s * (depth + sum(catch_ups or [])), forward_rows,
-                      catch_ups))
+    policy.observe_draft = lambda depth, seconds, catch_ups=None: observe_draft(
+        depth, draft_s * (depth + sum(catch_ups or [])), catch_ups)
     policy.leased_step = lambda request_ids, seconds: leased_step(
         request_ids, forward_s(len(request_ids or [])))
 

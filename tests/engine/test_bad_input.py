@@ -113,7 +113,6 @@ def test_null_stop_fields_mean_none():
     ({"method": "draft"}, "draft_model"),
     ({"method": "ngram", "disable_by_batch_size": 1}, "disable_by_batch_size"),
     ({"method": "ngram", "policy": "magic"}, "policy='magic'"),
-    ({"method": "ngram", "policy": "adaptive", "draft_cost": "free"}, "draft_cost='free'"),
     ({"method": "ngram", "policy": "adaptive", "match_trim": "yes"}, "match_trim='yes'"),
     ({"method": "ngram", "policy": "batch_size_table"}, "batch_size_table=None"),
     ({"method": "ngram", "batch_size_table": {"1-4": 2}}, "policy='static'"),

@@ -135,9 +135,9 @@ def test_batch_size_table_sets_k_by_running_requests_and_stays_lossless(draft, p
 
     def traced():
         finished = step()
-        drafts = [len(r.spec_token_ids) for r in core.scheduler.running]
+        drafts = [len(r.draft) for r in core.scheduler.running]
         trace.append((len(core.scheduler.running), drafts))
-        own_k.extend(len(r.spec_token_ids) for r in core.scheduler.running
+        own_k.extend(len(r.draft) for r in core.scheduler.running
                      if r.params.num_speculative_tokens == 2)
         return finished
 
@@ -168,7 +168,7 @@ def test_adaptive_policy_is_lossless_and_reports_its_choices(request, proposer, 
 
     def traced():
         finished = step()
-        own_k.extend(len(r.spec_token_ids) for r in core.scheduler.running
+        own_k.extend(len(r.draft) for r in core.scheduler.running
                       if r.params.num_speculative_tokens == 1)
         return finished
 
@@ -248,7 +248,7 @@ def test_shadow_drafts_of_held_requests_resolve_to_what_the_target_emitted(ngram
     llm = ngram.with_speculative(dataclasses.replace(ngram.config.speculative,
                                                      policy="adaptive"))
     core = llm.engine
-    assert core.shadow is not None and core.shadow.every == core.policy.s.shadow_every
+    assert core.policy.shadow.every == core.policy.s.shadow_every
     core.policy.choose = lambda ids, *args, **kwargs: dict.fromkeys(ids, 0)
     proposed, outcomes = {}, {}
     propose, observe = core.proposer.propose, core.policy.observe_shadow
@@ -257,7 +257,7 @@ def test_shadow_drafts_of_held_requests_resolve_to_what_the_target_emitted(ngram
         out = propose(asks)
         for ask, p in zip(asks, out):  # the context is the request's live token list
             proposed.setdefault(ask.request_id, []).append(
-                (ask.context, len(ask.context), p.token_ids[:ask.num_tokens]))
+                (ask.context, len(ask.context), p.token_ids[:ask.max_num_draft_tokens]))
         return out
 
     def traced_observe(outcome, base_rows):
@@ -281,7 +281,7 @@ def test_shadow_drafts_of_held_requests_resolve_to_what_the_target_emitted(ngram
     assert stats["num_shadow_draft_tokens"] == drafted
     assert stats["num_shadow_accepted_tokens"] == accepted
     assert stats["spec_decode"]["num_draft_tokens"] == 0
-    assert not core.shadow.open_ids
+    assert not core.policy.shadow.open_ids
     _assert_no_leak(llm)
 
 

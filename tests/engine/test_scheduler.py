@@ -15,7 +15,7 @@ import pytest
 from specmoe.config import SchedulerConfig
 from specmoe.engine.scheduler import Scheduler, SchedulerOutput
 from specmoe.engine.stats import StepStats
-from specmoe.request import Request, RequestStatus
+from specmoe.request import DraftState, Request, RequestStatus
 from specmoe.sampling_params import SamplingParams
 
 WRONG_DRAFT = 1  # never a model token
@@ -103,7 +103,7 @@ class FakeEngine:
                 k, count = req.num_speculative_tokens, self.num_proposals[req.request_id]
                 self.num_proposals[req.request_id] += 1
                 good = min(k, self.accept[count % len(self.accept)])
-                req.spec_token_ids = _greedy(req.all_token_ids, good) + [WRONG_DRAFT] * (k - good)
+                req.draft = DraftState(_greedy(req.all_token_ids, good) + [WRONG_DRAFT] * (k - good))
         return out
 
     def run(self) -> None:
@@ -131,7 +131,7 @@ class FakeEngine:
             assert len(s.block_ids) * config.block_size >= s.start_pos + len(s.token_ids)
             end = s.start_pos + len(s.token_ids) - s.num_draft_tokens
             assert s.token_ids[:end - s.start_pos] == req.all_token_ids[s.start_pos:end]
-            assert s.token_ids[end - s.start_pos:] == req.spec_token_ids[:s.num_draft_tokens]
+            assert s.token_ids[end - s.start_pos:] == req.draft.token_ids[:s.num_draft_tokens]
             reaches_end = end == req.num_tokens
             assert s.num_logits == (s.num_draft_tokens + 1 if reaches_end else 0)
             assert reaches_end or s.num_draft_tokens == 0
@@ -144,7 +144,7 @@ class FakeEngine:
         for request_id in preempted:
             req = sched.requests[request_id]
             assert req.status is RequestStatus.PREEMPTED and req.num_computed_tokens == 0
-            assert req.spec_token_ids == [] and not kv.has_request(request_id)
+            assert not req.draft and not kv.has_request(request_id)
 
 
 def assert_no_leak(sched: Scheduler) -> None:
@@ -253,11 +253,11 @@ def test_preemption_recomputes_the_newest_request_and_keeps_its_output():
     out = engine.step()
     assert out.scheduled[1].num_draft_tokens == 0  # b dropped its own drafts to fit
     assert out.preempted_request_ids == []
-    assert b.spec_token_ids  # fresh drafts pending
+    assert b.draft  # fresh drafts pending
     b_tokens = list(b.all_token_ids)
     out = engine.step()
     assert out.preempted_request_ids == ["b"] and [s.request_id for s in out.scheduled] == ["a"]
-    assert (b.status, b.num_computed_tokens, b.spec_token_ids) == (
+    assert (b.status, b.num_computed_tokens, b.draft.token_ids) == (
         RequestStatus.PREEMPTED, 0, [])
     assert [r.request_id for r in engine.sched.waiting] == ["b", "c", "d"]
     assert out.stats.num_preempted == 1

@@ -277,7 +277,7 @@ def test_requests_held_at_zero_probe_on_the_same_step(monkeypatch):
     """Requests that joined at different steps probe together (one draft run for the
     batch), and while every request stays at K = 0 the choice is re-solved only after a
     probe, when the batch changes or every `recheck_every` steps."""
-    import specmoe.spec_decode.adaptive as adaptive
+    import specmoe.spec_decode.adaptive.solve as adaptive
     p = AdaptivePolicy(AdaptiveSettings(max_k=4, probe_every=4, recheck_every=5,
                                         recheck_every_max=5))
     p.clock = lambda: 0.0  # solves that cost nothing: a join is solved for at once
@@ -362,7 +362,7 @@ def _solved_at(monkeypatch, policy: AdaptivePolicy, batch: list[str], steps: int
                expected: dict[str, int] | None = None) -> list[int]:
     """The steps (1..steps) on which `policy.choose(batch, [4, ...], len(batch))` solved,
     each choice checked against `expected` where given."""
-    import specmoe.spec_decode.adaptive as adaptive
+    import specmoe.spec_decode.adaptive.solve as adaptive
     from specmoe.spec_decode.choice import choose_ks as real
     solved, step = [], 0
     monkeypatch.setattr(adaptive, "choose_ks", lambda *a, **kw: solved.append(step) or real(*a, **kw))
@@ -415,7 +415,7 @@ def test_a_join_into_a_batch_kept_off_waits_for_the_solves_budget(monkeypatch):
 def test_a_speculating_batch_is_re_solved_every_few_steps(monkeypatch):
     """While speculation pays, the same batch keeps its Ks for `resolve_every` steps (caps
     still apply, a request may leave); a request joining is solved for at once."""
-    import specmoe.spec_decode.adaptive as adaptive
+    import specmoe.spec_decode.adaptive.solve as adaptive
     p = AdaptivePolicy(AdaptiveSettings(max_k=4, resolve_every=3, probe_every=1000))
     _calibrated(p, 0.010, 0.0)
     for _ in range(20):
@@ -627,39 +627,18 @@ def test_policy_measures_overlap_and_predicts_moe_steps():
     assert dense.unique_fraction([1, 5]) == 0.0
 
 
-# ---- drafting priced by its forwards' rows (draft_cost "rows") ----
-
-from specmoe.spec_decode.time_models import DraftTimeModel, call_rows  # noqa: E402
+# ---- drafting priced apart from the catch-ups (DraftDepthModel) ----
 
 
 def _draft_forward(rows):  # a draft forward: 2 ms, and 0.2 ms per row
     return 0.002 + 0.0002 * rows
 
 
-def test_call_rows_puts_the_catch_ups_in_the_first_forward():
-    assert call_rows([2, 0, 4], [3, 50, 1]) == [4.0, 2.0, 1.0, 1.0]
-    assert call_rows([0, 0], [3, 4]) == []
-
-
-def test_draft_time_model_learns_the_cost_per_forward_from_whole_calls():
-    m = DraftTimeModel(window=64, min_calls=4)
-    for ks, pending in [([1], [2]), ([4], [3]), ([2, 2], [1, 400]), ([3, 1, 2], [2, 2, 9]),
-                        ([1, 1], [200, 3]), ([4, 4], [2, 2])]:
-        rows = call_rows(ks, pending)
-        m.observe(rows, sum(_draft_forward(r) for r in rows))
-    m.refresh()
-    assert m.forward_s(np.array([1.0, 8.0, 300.0])) == pytest.approx(
-        [_draft_forward(1), _draft_forward(8), _draft_forward(300)], rel=1e-6)
-    assert m.forward_s(0.0) == 0.0
-
-
-def _rows_policy(pending_history, rows_model=True):
-    p = AdaptivePolicy(AdaptiveSettings(max_k=4, draft_rows_model=rows_model,
-                                        probe_every=1000, min_fit_steps=4))
+def _depth_policy(pending_history):
+    p = AdaptivePolicy(AdaptiveSettings(max_k=4, probe_every=1000, min_fit_steps=4))
     _calibrated(p, 0.020, 0.0)  # memory-bound target: 20 ms a step whatever its rows
     for rows in pending_history:  # steady calls and a few probes with long catch-ups
-        fwd = call_rows([1], [rows])
-        p.observe_draft(1, sum(_draft_forward(r) for r in fwd), fwd, [rows])
+        p.observe_draft(1, _draft_forward(rows), catch_ups=[rows])
     for _ in range(40):
         p.observe_verified("a", 1, 1)
     return p
@@ -667,40 +646,40 @@ def _rows_policy(pending_history, rows_model=True):
 
 def test_catch_ups_do_not_price_steady_drafting():
     """Probes that caught up 500 tokens made the per-depth mean 35 ms a draft, more than
-    a step, so speculation stayed off; priced by rows, a caught-up request drafts."""
+    a step, so speculation stayed off; priced apart from its catch-up, a caught-up request
+    drafts."""
     history = [2, 2, 2, 500, 2, 2, 500, 500]
-    per_depth = _rows_policy(history, rows_model=False)
-    assert per_depth.draft_s > 0.020
-    assert per_depth.choose(["a"], [4], 1)["a"] == 0  # catch-ups unknown: the mean
-    assert _rows_policy(history, rows_model=False).choose(["a"], [4], 1, [2])["a"] > 0
-    rows = _rows_policy(history)
-    assert rows.choose(["a"], [4], 1, pending=[2])["a"] > 0
+    p = _depth_policy(history)
+    assert p.draft_s > 0.020
+    assert p.choose(["a"], [4], 1)["a"] == 0  # catch-ups unknown: the mean
+    assert _depth_policy(history).choose(["a"], [4], 1, [2])["a"] > 0
 
 
 def test_a_resuming_catch_up_is_spread_over_the_horizon():
     history = [2, 2, 2, 2, 500, 500]
-    # not drafting before: 1 + 3999 / 16 rows (50 ms) on this step outweigh its gain
-    assert _rows_policy(history).choose(["a"], [4], 1, pending=[4000])["a"] == 0
-    assert _rows_policy(history).choose(["a"], [4], 1, pending=[40])["a"] > 0
+    # not drafting before: 3999 / 16 catch-up tokens (50 ms) on this step outweigh its gain
+    assert _depth_policy(history).choose(["a"], [4], 1, pending=[4000])["a"] == 0
+    assert _depth_policy(history).choose(["a"], [4], 1, pending=[40])["a"] > 0
     # drafting on the previous step: its pending tokens recur every step, in full
-    p = _rows_policy(history)
+    p = _depth_policy(history)
     p._previous = {"a": 1}
-    assert _lags(p, [40]) == [40.0]
-    assert _lags(_rows_policy(history), [33]) == [3.0]
+    assert _shares(p, [40]) == [39.0]
+    assert _shares(_depth_policy(history), [33]) == [2.0]
 
 
-def _lags(policy, pending, remaining=None):
-    """The catch-up rows `_drafting` charges a step's first draft forward."""
-    gains = np.stack([policy.acceptance.gains(r) for r in "ab"[:len(pending)]])
-    caps = np.full(len(pending), 4)
-    return policy._drafting(["a", "b"][:len(pending)], gains, caps, pending,
-                            remaining)["draft_rows"][0].tolist()
+def _shares(policy, pending, remaining=None):
+    """The catch-up tokens beyond the first that `_drafting` charges this step."""
+    ids = ["a", "b"][:len(pending)]
+    gains = np.stack([policy.acceptance.gains(r) for r in ids])
+    return policy._catch_up_shares(ids, gains, np.full(len(pending), 4), pending,
+                                   remaining).tolist()
 
 
-def test_rows_priced_choice_predicts_its_own_rate():
-    p = _rows_policy([2, 3, 2, 500, 2])
+def test_catch_up_priced_choice_predicts_its_own_rate():
+    p = _depth_policy([2, 3, 2, 500, 2])
     gains = np.stack([_gains(0.9, 1)[0], _gains(0.6, 1)[0], _gains(0.3, 1)[0]])[:, :4]
     drafting = p._drafting(["x", "y", "z"], gains, np.full(3, 4), [3, 30, 300], None)
+    assert "starts" in drafting
     step = p._step_fn(3)
     ks, rate = choose_ks(gains, np.full(3, 4), step, **drafting)
     assert ks.any()

@@ -177,7 +177,7 @@ def proposal_log(llm, monkeypatch):
 
     def spy(reqs):
         proposals = inner(reqs)
-        log.extend((len(r.context), r.num_tokens, len(p.token_ids))
+        log.extend((len(r.context), r.max_num_draft_tokens, len(p.token_ids))
                    for r, p in zip(reqs, proposals))
         return proposals
 

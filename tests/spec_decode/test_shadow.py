@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from specmoe.engine.core import _shadow_drafts
 from specmoe.spec_decode.adaptive import AdaptivePolicy, AdaptiveSettings
 from specmoe.spec_decode.ngram import NgramProposer
 from specmoe.spec_decode.shadow import ShadowDrafts, ShadowOutcome
@@ -68,7 +67,8 @@ def test_shadows_bring_a_request_held_at_zero_back():
     move its estimate, and the batch is re-solved after `shadow_every` steps, not the
     doubling recheck interval of a batch nothing informs."""
     p = AdaptivePolicy(AdaptiveSettings(max_k=4, shadow_every=3, probe_every=1000,
-                                        recheck_every=64, match_trim=False))
+                                        recheck_every=64, match_trim=False),
+                       proposer=NgramProposer(1, 3))
     _calibrated(p, 1.0, 0.1)  # a step 1 s, each row 10% more
     for _ in range(40):
         p.observe_verified("old", 4, 0)  # every first draft rejected
@@ -84,7 +84,8 @@ def test_a_shadow_counts_as_the_proposal_the_trim_would_keep():
     """A 1-gram proposal whose first draft is never accepted is cut to nothing: its shadow
     records an allowed slot left unfilled and no draft reached, while the match-length
     statistics see the whole proposal (and no cut is counted: none was verified)."""
-    p = AdaptivePolicy(AdaptiveSettings(max_k=4, shadow_every=8, probe_every=1000))
+    p = AdaptivePolicy(AdaptiveSettings(max_k=4, shadow_every=8, probe_every=1000),
+                       proposer=NgramProposer(1, 3))
     _calibrated(p, 0.010, 0.001)
     for _ in range(20):
         p.matches.observe(1, 4, 0)
@@ -102,7 +103,7 @@ def test_a_shadowed_batch_kept_off_is_rechecked_within_the_solve_budget():
     most `recheck_budget` of the held steps' predicted time, within [shadow_every,
     recheck_every_max]."""
     p = AdaptivePolicy(AdaptiveSettings(max_k=4, shadow_every=8, recheck_every_max=256,
-                                        recheck_budget=0.01))
+                                        recheck_budget=0.01), proposer=NgramProposer(1, 3))
     _calibrated(p, 0.010, 0.0)  # 10 ms a step
     p._solve_s = 0.00195
     assert p._shadow_recheck(4) == 20  # 1.95 ms within 1% of 20 steps of 10 ms
@@ -115,11 +116,11 @@ def test_a_shadowed_batch_kept_off_is_rechecked_within_the_solve_budget():
 def test_shadow_drafts_need_a_stateless_proposer():
     """Only a proposer that keeps no state (prompt lookup) is shadowed: a draft model's
     shadow would cost its forwards and catch-ups. shadow_every = 0 asks for none."""
-    policy = AdaptivePolicy(AdaptiveSettings(max_k=4, shadow_every=8))
-    assert _shadow_drafts(policy, NgramProposer(1, 3)).every == 8
-    assert _shadow_drafts(AdaptivePolicy(AdaptiveSettings(max_k=4)), object()) is None
+    settings = AdaptiveSettings(max_k=4, shadow_every=8)
+    assert AdaptivePolicy(settings, proposer=NgramProposer(1, 3)).shadow.every == 8
+    assert AdaptivePolicy(AdaptiveSettings(max_k=4), proposer=object()).shadow is None
 
     class DraftModel:
         name = "draft"
     with pytest.raises(ValueError, match="stateless proposer.*'draft'"):
-        _shadow_drafts(policy, DraftModel())
+        AdaptivePolicy(settings, proposer=DraftModel())
