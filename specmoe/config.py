@@ -22,6 +22,43 @@ SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
+@dataclass(frozen=True)
+class KernelConfig:
+    """Which native-kernel behaviours one engine loads and runs with (docs/kernels.md). Each
+    field is None (the process-wide setting: the environment variable named, read at
+    import, or the module's setter) or a bool this engine applies around its loading and its
+    steps (`worker.kernel_switches`), so that two engines in one process may differ.
+
+    Attributes:
+        cpu_kernels: our native CPU kernels where they apply (False: torch's;
+            SPECMOE_DISABLE_CPU_KERNELS).
+        fused_layers: whole decoder layers in one native call where they apply.
+        int4_batch_invariant: every row count through int4 kernel calls of at most 16 rows
+            (SPECMOE_INT4_BATCH_INVARIANT).
+        one_row_prefetch: software prefetch in one-row panel passes (as timed at the first
+            large model's load; SPECMOE_ONE_ROW_PREFETCH).
+        fixed_threads: keep torch's thread count instead of yielding cores to busy
+            neighbours (SPECMOE_FIXED_THREADS).
+
+    Raises:
+        ValueError: a field that is neither None nor a bool.
+    """
+
+    cpu_kernels: bool | None = None
+    fused_layers: bool | None = None
+    int4_batch_invariant: bool | None = None
+    one_row_prefetch: bool | None = None
+    fixed_threads: bool | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("cpu_kernels", "fused_layers", "int4_batch_invariant",
+                     "one_row_prefetch", "fixed_threads"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"invalid kernels {name}={value!r}: must be true, false or "
+                                 "None (the process-wide setting)")
+
+
 @dataclass
 class MoEConfig:
     """Mixture-of-Experts block shape and routing.
@@ -531,3 +568,4 @@ class EngineConfig:
     seed: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)

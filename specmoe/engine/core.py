@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from specmoe.config import SchedulerConfig
+from specmoe.config import KernelConfig, SchedulerConfig
 from specmoe.engine.isolation import run_isolated
 from specmoe.engine.output_processor import OutputProcessor
 from specmoe.engine.scheduler import ScheduledRequest, Scheduler
@@ -32,6 +32,7 @@ from specmoe.sample.ops import compute_logprobs
 from specmoe.spec_decode.policy import DraftReport, SpeculationPolicy, StepReport
 from specmoe.spec_decode.proposer import Proposer, ProposeRequest
 from specmoe.utils.threads import make_thread_governor
+from specmoe.worker.kernel_switches import KernelSwitches
 from specmoe.worker.model_runner import ModelRunner, SequenceInput
 
 logger = logging.getLogger(__name__)
@@ -66,11 +67,13 @@ class EngineCore:
         scheduler_config: batching and KV cache settings.
         num_kv_blocks: blocks of the target's paged KV cache.
         policy: chooses each request's K per step (`spec_decode.factory.build_policy`).
+        kernels: native-kernel behaviours applied around each step (None: the
+            process-wide settings; `worker.kernel_switches`).
     """
 
     def __init__(self, target: ModelRunner, proposer: Proposer, processor: OutputProcessor,
                  scheduler_config: SchedulerConfig, num_kv_blocks: int,
-                 policy: SpeculationPolicy) -> None:
+                 policy: SpeculationPolicy, kernels: KernelConfig | None = None) -> None:
         self.target = target
         self.proposer = proposer
         self.processor = processor
@@ -78,9 +81,12 @@ class EngineCore:
         self.kv_cache = target.new_paged_cache(num_kv_blocks, scheduler_config.block_size)
         self.scheduler = Scheduler(scheduler_config, num_kv_blocks, target.max_model_len)
         self.stats = EngineStats()
+        kernels = kernels or KernelConfig()
+        self.kernel_switches = KernelSwitches(kernels)
         # Fewer threads while other processes hold cores (specmoe/utils/threads.py).
         self.thread_governor = make_thread_governor(torch.set_num_threads,
-                                                    torch.get_num_threads())
+                                                    torch.get_num_threads(),
+                                                    kernels.fixed_threads)
         self._generators: dict[str, torch.Generator] = {}
         self.step_observer = NullStepObserver()
         self._failed: list[Request] = []  # this step's requests failed alone (`_fail`)
@@ -127,6 +133,10 @@ class EngineCore:
             RuntimeError: requests are waiting but none can be scheduled (cannot happen with
                 the admission checks of `Scheduler.add_request`; guards against a hang).
         """
+        with self.kernel_switches:
+            return self._step()
+
+    def _step(self) -> list[Request]:
         self.thread_governor.update()
         self.policy.before_schedule(self.scheduler, self.stats)
         out = self.scheduler.schedule()

@@ -11,8 +11,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from specmoe.config import (EngineConfig, ExpertParallelConfig, ModelConfig, SchedulerConfig,
-                            SpeculativeConfig)
+from specmoe.config import (EngineConfig, ExpertParallelConfig, KernelConfig, ModelConfig,
+                            SchedulerConfig, SpeculativeConfig)
 from specmoe.engine.core import EngineCore
 from specmoe.engine.kv_cache_manager import blocks_for_requests
 from specmoe.engine.output_processor import OutputProcessor
@@ -25,6 +25,7 @@ from specmoe.request import Request
 from specmoe.sampling_params import SamplingParams
 from specmoe.spec_decode.factory import build_policy, build_proposer
 from specmoe.spec_decode.proposer import NoProposer
+from specmoe.worker.kernel_switches import KernelSwitches
 from specmoe.worker.kv_cache import PagedKVCache
 from specmoe.worker.model_runner import ModelRunner
 
@@ -64,6 +65,9 @@ class LLM:
         expert_parallel_timeout_s: seconds a collective waits for the other ranks: a rank
             that died or hangs makes the next generate raise `RankFailure` after at most
             this long (then call `shutdown()`).
+        kernels: a KernelConfig or a dict of its fields (native-kernel behaviours this
+            engine loads and runs with, e.g. {"fused_layers": False}; None, or a field
+            left None: the process-wide setting).
 
     Raises:
         FileNotFoundError, ValueError: bad path, unsupported model, bad option, a draft
@@ -79,21 +83,25 @@ class LLM:
                  moe_backend: str = "auto", expert_parallel_size: int = 1,
                  expert_parallel_dispatch: str = "replicated",
                  expert_placement: str = "contiguous",
-                 expert_parallel_timeout_s: float = 60.0) -> None:
+                 expert_parallel_timeout_s: float = 60.0,
+                 kernels: KernelConfig | dict | None = None) -> None:
         if isinstance(speculative, dict):
             speculative = SpeculativeConfig(**speculative)
         if isinstance(scheduler, dict):
             scheduler = SchedulerConfig(**scheduler)
+        if isinstance(kernels, dict):
+            kernels = KernelConfig(**kernels)
         ep = ExpertParallelConfig(expert_parallel_size, expert_parallel_dispatch,
                                   expert_placement, expert_parallel_timeout_s)
         dtype = resolve_dtype(dtype, device)
         self.config = EngineConfig(
             ModelConfig(model, dtype, device, max_model_len, quantization, moe_backend),
             speculative, seed,
-            scheduler or SchedulerConfig(), ep)
+            scheduler or SchedulerConfig(), ep, kernels or KernelConfig())
         self._workers = _start_expert_parallel(ep, self.config.model)
         self._loaded_drafts: dict = {}  # shared with engines from `with_speculative`
-        loaded, self.target = _load_target(self.config.model, ep, self._workers)
+        with KernelSwitches(self.config.kernels):  # packing follows the kernels' switch
+            loaded, self.target = _load_target(self.config.model, ep, self._workers)
         self.tokenizer = _try_tokenizer(loaded)
         eos = set(loaded.arch.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -133,15 +141,17 @@ class LLM:
                 "targets give identical tokens)", self.config.model.quantization, caveat)
         sched = self.config.scheduler
         num_blocks = _num_kv_blocks(sched, self.target)
-        self.proposer = None if speculative is None else build_proposer(
-            speculative, self.target, self.tokenizer, self.config.model, num_blocks,
-            sched.block_size, self._loaded_drafts)
+        with KernelSwitches(self.config.kernels):
+            self.proposer = None if speculative is None else build_proposer(
+                speculative, self.target, self.tokenizer, self.config.model, num_blocks,
+                sched.block_size, self._loaded_drafts)
         adaptive = speculative is not None and speculative.policy == "adaptive"
         self.validator = dataclasses.replace(self.validator, max_speculative_tokens=(
             speculative.num_speculative_tokens if adaptive else None))
         self.engine = EngineCore(self.target, self.proposer or NoProposer(), self.processor,
                                  sched, num_blocks,
-                                 build_policy(speculative, self.target, self.proposer))
+                                 build_policy(speculative, self.target, self.proposer),
+                                 self.config.kernels)
 
     def shutdown(self) -> None:
         """Stop the expert-parallel worker processes (no-op in one process); a worker that

@@ -73,9 +73,15 @@ def generation() -> tuple[int, int]:
 
 def set_enabled(enabled: bool) -> None:
     """Turn the fused path on or off for this process (off: the modules run one by one,
-    as they do anyway with the CPU kernels off; for A/B timing and tests)."""
+    as they do anyway with the CPU kernels off; for A/B timing and tests). An engine sets
+    it from its `KernelConfig` around each step (`worker.kernel_switches`)."""
     global _enabled
     _enabled = bool(enabled)
+
+
+def is_enabled() -> bool:
+    """Whether the fused path is switched on (it may still not apply to a model)."""
+    return _enabled
 
 
 def _modules_of(layer) -> list:

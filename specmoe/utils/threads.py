@@ -126,12 +126,13 @@ class NullThreadGovernor:
         return None
 
 
-def make_thread_governor(set_threads: Callable[[int], None], max_threads: int
-                         ) -> ThreadGovernor | NullThreadGovernor:
+def make_thread_governor(set_threads: Callable[[int], None], max_threads: int,
+                         fixed: bool | None = None) -> ThreadGovernor | NullThreadGovernor:
     """A `ThreadGovernor`, or a `NullThreadGovernor` where CPU times cannot be read or
-    SPECMOE_FIXED_THREADS=1 asks for the count to stay as it is."""
+    `fixed` asks for the count to stay as it is (`KernelConfig.fixed_threads`; None:
+    SPECMOE_FIXED_THREADS=1 does)."""
     from specmoe.utils.env import env_flag
-    if env_flag("SPECMOE_FIXED_THREADS"):
+    if fixed if fixed is not None else env_flag("SPECMOE_FIXED_THREADS"):
         return NullThreadGovernor()
     try:
         return ThreadGovernor(set_threads, max_threads)
