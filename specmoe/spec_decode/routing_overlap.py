@@ -11,14 +11,15 @@ the expert bytes a memory-bound MoE layer reads (the union the study's cost mode
 `analysis.cost_model`; Huang et al. 2025, MoESD, arXiv 2505.19645, sec. 3).
 
 Measuring o needs the router's choices, which the fused decoder driver does not hand back:
-`RoutingSampler` subscribes a recorder to the model's expert-stats hub for one step in `every` of those that
-compute two adjacent tokens of a request (a draft window or a prompt chunk: a step of
-single-token decodes has no pair to measure) and at most `max_rows` rows, and measures o
-over adjacent tokens within each request's rows. A sampled step runs the blocks as
-modules, off the fused driver, so its time is left out of the step-time fit (sampling
-tiny-moe's single-token steps too cost 2-3% of a run held at K = 0, for nothing), and the
-module path costs in proportion to the rows: a sampled 1024-token prefill step of the
-50%-carved Qwen2.5-Coder-1.5B took 7.7 s instead of 4.8 (a sixth of a run at 16 requests).
+`RoutingSampler` subscribes a recorder to the model's expert-stats hub for one step in
+`every` of those that compute two adjacent tokens of a request (a draft window or a prompt
+chunk: a step of single-token decodes has no pair to measure) and at most `max_rows` rows,
+and measures o over adjacent tokens within each request's rows. A sampled step runs the
+blocks as modules, off the fused driver, so its time is left out of the step-time fit
+(sampling tiny-moe's single-token steps too cost 2-3% of a run held at K = 0, for nothing),
+and the module path costs in proportion to the rows: a sampled 1024-token prefill step of
+the 50%-carved Qwen2.5-Coder-1.5B took 7.7 s instead of 4.8 (a sixth of a run at 16
+requests).
 """
 
 from __future__ import annotations
@@ -86,9 +87,10 @@ class RoutingSampler:
         return bool(self.blocks)
 
     def begin(self, longest_window: int, rows: int) -> bool:
-        """Subscribe a recorder to the model's expert-stats hub if this step is sampled (`longest_window`: the most rows any
-        request computes in it, `rows`: all of them; steps of one row each, or of more than
-        `max_rows`, are never sampled nor counted); True when it is."""
+        """Subscribe a recorder to the model's expert-stats hub if this step is sampled
+        (`longest_window`: the most rows any request computes in it, `rows`: all of them;
+        steps of one row each, or of more than `max_rows`, are never sampled nor counted);
+        True when it is."""
         if not self.blocks or longest_window < 2 or rows > self.max_rows:
             return False
         self._steps += 1

@@ -1,3 +1,5 @@
+# Record of commit 88226d1: this script reaches into the engine's and the adaptive policy's internals as they were then
+# and runs only at that commit (`git worktree add /tmp/at 88226d1`); the policy is configured through public settings since 2026-12-07-policy-seam.
 """A/B of engines on tiny-moe + its draft, many short alternations (the sweep's runs of 1-7 s
 are too short to average the machine's memory phases out): wall seconds of N requests x 128
 tokens at C in flight, REPS repetitions, the engines' order rotated every repetition.

@@ -1,3 +1,5 @@
+# Record of commit a6ec4b3: this script reaches into the engine's and the adaptive policy's internals as they were then
+# and runs only at that commit (`git worktree add /tmp/at a6ec4b3`); the policy is configured through public settings since 2026-12-07-policy-seam.
 """A/B of the adaptive policy with and without its match-length trim (`spec_decode.match_trim`)
 against plain decoding and static K, on one target and draft at C requests in flight: N
 requests x T tokens, REPS repetitions, the engines' order rotated every repetition. Prints

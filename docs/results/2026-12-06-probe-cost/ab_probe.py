@@ -1,3 +1,5 @@
+# Record of commit c7f0438: this script reaches into the engine's and the adaptive policy's internals as they were then
+# and runs only at that commit (`git worktree add /tmp/at c7f0438`); the policy is configured through public settings since 2026-12-07-policy-seam.
 """A/B at C on the mixed workload (fixed 48 tokens): adaptive with this stop's probe pricing
 against adaptive0, the same policy with the probes' verification not counted."""
 import sys

@@ -1,3 +1,5 @@
+# Record of commit 81b4dc1: this script reaches into the engine's and the adaptive policy's internals as they were then
+# and runs only at that commit (`git worktree add /tmp/at 81b4dc1`); the policy is configured through public settings since 2026-12-07-policy-seam.
 """A/B on the mixed workload (SmolLM2, prompt lookup K <= 8, half HumanEval, half Spec-Bench
 translation) at one C, the bench's balanced 0.1 s turns: plain, plain2 (A/A), static:1,
 adaptive, and adaptive variants: z0 (the realized check's point value, as before this stop),

@@ -1,3 +1,5 @@
+# Record of commit c1edc10: this script reaches into the engine's and the adaptive policy's internals as they were then
+# and runs only at that commit (`git worktree add /tmp/at c1edc10`); the policy is configured through public settings since 2026-12-07-policy-seam.
 """A/B on the mixed workload (SmolLM2, prompt lookup K <= 8, half HumanEval, half Spec-Bench
 translation, 48 tokens) or, with AB_MODEL=tiny-moe, on tiny-moe with its draft (128 tokens), or
 with AB_MODEL=qwen, on the Qwen2.5-Coder pair (bf16 1.5B, int4 0.5B draft, K <= 4, 32 tokens;

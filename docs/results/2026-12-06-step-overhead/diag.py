@@ -1,3 +1,5 @@
+# Record of commit c1edc10: this script reaches into the engine's and the adaptive policy's internals as they were then
+# and runs only at that commit (`git worktree add /tmp/at c1edc10`); the policy is configured through public settings since 2026-12-07-policy-seam.
 """What the adaptive policy believes on the mixed workload (spread lengths) at one C after REPS
 balanced repetitions: its step-time fit against the decode-only steps measured in each mode,
 its drafting cost, realized factors and engine-wide acceptance and fill counts (rows: slots

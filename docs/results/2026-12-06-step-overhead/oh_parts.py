@@ -1,3 +1,5 @@
+# Record of commit c1edc10: this script reaches into the engine's and the adaptive policy's internals as they were then
+# and runs only at that commit (`git worktree add /tmp/at c1edc10`); the policy is configured through public settings since 2026-12-07-policy-seam.
 """Milliseconds per step each engine spends in each part of its step (the target's forward,
 verification, drafting, the policy's choice and observation, shadows, scheduling), on the
 mixed workload with spread lengths at one C (ab_prompt.py's engines, with its noshadow

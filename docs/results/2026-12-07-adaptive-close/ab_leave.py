@@ -1,3 +1,5 @@
+# Record of commit 0904d74: this script reaches into the engine's and the adaptive policy's internals as they were then
+# and runs only at that commit (`git worktree add /tmp/at 0904d74`); the policy is configured through public settings since 2026-12-07-policy-seam.
 """A/B of re-solving a speculating batch when requests leave (`AdaptivePolicy._admits`):
 step-overhead's ab_prompt.py (plain, plain2, static:1 or static:2, adaptive), plus
 `adaptive_hold`, an adaptive engine that keeps its held Ks when requests leave. Run at

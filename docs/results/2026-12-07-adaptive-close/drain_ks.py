@@ -1,3 +1,5 @@
+# Record of commit 0904d74: this script reaches into the engine's and the adaptive policy's internals as they were then
+# and runs only at that commit (`git worktree add /tmp/at 0904d74`); the policy is configured through public settings since 2026-12-07-policy-seam.
 """What the adaptive policy chose in the drain of a finite run (batches of one or two
 requests) on the mixed workload with spread lengths at eight requests (step-overhead's
 ab_prompt.py engines, one repetition of 16 requests): each solve at B <= 2 with its

@@ -1,3 +1,5 @@
+# Record of commit 1564bdd: this script reaches into the engine's and the adaptive policy's internals as they were then
+# and runs only at that commit (`git worktree add /tmp/at 1564bdd`); the policy is configured through public settings since 2026-12-07-policy-seam.
 """What the adaptive policy's choices cost on tiny-moe with its draft at one C, timed
 uninstrumented: each `AdaptivePolicy.choose` call (a solve, or the held path on the steps
 the engine does not lease), over one run of NUM_REQUESTS requests of 128 tokens, against the

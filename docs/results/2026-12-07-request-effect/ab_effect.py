@@ -1,3 +1,5 @@
+# Record of commit 18c02d3: this script reaches into the engine's and the adaptive policy's internals as they were then
+# and runs only at that commit (`git worktree add /tmp/at 18c02d3`); the policy is configured through public settings since 2026-12-07-policy-seam.
 """A/B of the request effect on the acceptance prior (`AcceptanceTracker.request_effect`):
 step-overhead's ab_prompt.py (plain, plain2, static:1 or static:2, adaptive), plus
 `adaptive_noeffect`, an adaptive engine whose deeper positions keep the engine-wide prior

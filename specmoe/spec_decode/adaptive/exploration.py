@@ -265,9 +265,10 @@ class Exploration:
         return [d if i else k for k, d, i in zip(ks, drafts, idle)]
 
     def _probe_due(self, leased_steps: int = 0, leased_s: float = 0.0) -> bool:
-        """This step's held requests probe (module docstring): `probe_interval` steps
-        with one held, and the time since the last probe 1 / `probe_budget` times its
-        cost (counting a running lease's steps and seconds, not yet handed over)."""
+        """This step's held requests probe (docs/adaptive.md, "Hysteresis and probes"):
+        `probe_interval` steps with one held, and the time since the last probe
+        1 / `probe_budget` times its cost (counting a running lease's steps and seconds,
+        not yet handed over)."""
         return (self._since_probe + leased_steps + 1 >= self.probe_interval
                 and (self._elapsed_s + leased_s) * self.s.probe_budget
                 >= self._probe_cost_s)

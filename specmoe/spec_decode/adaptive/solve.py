@@ -177,8 +177,8 @@ class Solve:
 
     def _solve(self, request_ids: list[str], caps_a: np.ndarray, base_rows: int,
                pending: Pending, remaining: Pending) -> np.ndarray:
-        """The best Ks for the batch (module docstring), with the hysteresis; holds the
-        choice (`_Held`)."""
+        """The best Ks for the batch (docs/adaptive.md, "The choice of K"), with the
+        hysteresis; holds the choice (`_Held`)."""
         step_s, miss = self._step_fn(base_rows), self._miss()
         gains, fills = map(np.stack, zip(*(self.acceptance.slots(r) for r in request_ids)))
         drafting = self._drafting(request_ids, gains, caps_a, pending, remaining)
