@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
-SPECULATIVE_METHODS = ("ngram", "draft")
+SPECULATIVE_METHODS = ("ngram", "draft", "self")
 SPECULATIVE_POLICIES = ("static", "batch_size_table", "adaptive")
 QUANTIZATION_METHODS = ("int8", "int4")
 # How routed experts run (`specmoe.layers.moe.backends`): "auto" picks per device and kernels.
@@ -340,9 +340,12 @@ class SpeculativeConfig:
     """Speculative decoding settings.
 
     Attributes:
-        method: "ngram" (prompt lookup) or "draft" (a separate draft model).
+        method: "ngram" (prompt lookup), "draft" (a separate draft model) or "self" (a MoE
+            target drafting with fewer routed experts, `spec_decode.self_draft`).
         num_speculative_tokens: K, draft tokens verified per step (>= 1).
         draft_model: path or alias of the draft model (method "draft").
+        self_draft_experts: K', the routed experts per token of a self-draft (method
+            "self"; 1 <= K' < the target's top-k, checked when the target is loaded).
         prompt_lookup_min: smallest n-gram matched (method "ngram").
         prompt_lookup_max: largest n-gram matched; longer matches are tried first.
         draft_quantization: None, "int8" or "int4" for the draft model's weights (a draft
@@ -369,6 +372,7 @@ class SpeculativeConfig:
     method: str
     num_speculative_tokens: int = 4
     draft_model: str | None = None
+    self_draft_experts: int | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     draft_quantization: str | None = None
@@ -386,6 +390,15 @@ class SpeculativeConfig:
                              "must be >= 1")
         if self.method == "draft" and not self.draft_model:
             raise ValueError("speculative method 'draft' needs draft_model (a path or alias)")
+        if (self.method == "self") != (self.self_draft_experts is not None):
+            raise ValueError(f"speculative method 'self' and self_draft_experts go together "
+                             f"(method={self.method!r}, self_draft_experts="
+                             f"{self.self_draft_experts!r})")
+        if self.self_draft_experts is not None and (
+                isinstance(self.self_draft_experts, bool)
+                or not isinstance(self.self_draft_experts, int) or self.self_draft_experts < 1):
+            raise ValueError(f"invalid self_draft_experts={self.self_draft_experts!r}: must "
+                             "be an int >= 1")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"invalid prompt_lookup_min={self.prompt_lookup_min}, "
                              f"prompt_lookup_max={self.prompt_lookup_max}: need "
@@ -412,6 +425,25 @@ class SpeculativeConfig:
             if k > self.num_speculative_tokens:
                 raise ValueError(f"invalid batch_size_table K={k} for batch sizes {lo}-{hi}: "
                                  f"above num_speculative_tokens={self.num_speculative_tokens}")
+
+
+def parse_draft(draft: str) -> dict:
+    """The `SpeculativeConfig` fields a --draft value names: "ngram" (prompt lookup),
+    "self:experts=K" (the MoE target drafting with K routed experts per token), else a draft
+    model's path or alias.
+
+    Raises:
+        ValueError: a "self:" value that is not "self:experts=K" with K an integer.
+    """
+    if draft == "ngram":
+        return {"method": "ngram"}
+    if not draft.startswith("self:"):
+        return {"method": "draft", "draft_model": draft}
+    key, _, value = draft[len("self:"):].partition("=")
+    if key != "experts" or not value.isdigit():
+        raise ValueError(f"invalid --draft {draft!r}: a self-draft is self:experts=K "
+                         "(K routed experts per token, fewer than the target's)")
+    return {"method": "self", "self_draft_experts": int(value)}
 
 
 def parse_batch_size_table(table: dict) -> tuple[tuple[int, int, int], ...]:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from specmoe.bench.throughput_floor import MatmulCounts, run_floor_seconds
 from specmoe.bench.throughput_stats import (AA_MODE, aggregate, ratios, slowest_steps,
                                             target_line)
-from specmoe.config import ArchConfig, ExpertParallelConfig
+from specmoe.config import ArchConfig, ExpertParallelConfig, parse_draft
 from specmoe.engine.kv_cache_manager import blocks_for_requests
 from specmoe.bench.throughput_run import (ARRIVALS, INTERLEAVE, SLICE_SECONDS, output_len_range,
                                           run_interleaved)
@@ -45,7 +45,8 @@ class ThroughputBenchConfig:
 
     Attributes:
         model: target model (path or alias).
-        draft: "ngram" (prompt lookup), a draft model path/alias, or "none" (plain only).
+        draft: "ngram" (prompt lookup), "self:experts=K" (a MoE target drafting with K of
+            its experts), a draft model path/alias, or "none" (plain only).
         num_speculative_tokens: K of the speculative mode (K_max of "adaptive").
         spec_disable_by_batch_size: the speculative mode pauses speculation while at least
             this many requests run (`SpeculativeConfig.disable_by_batch_size`; None: never).
@@ -306,9 +307,9 @@ def add_speculative_engines(cfg: ThroughputBenchConfig, engines: dict,
         engines[AA_MODE] = plain.with_speculative(None)
     if cfg.draft == "none":
         return
-    spec = {"method": "ngram"} if cfg.draft == "ngram" else {
-        "method": "draft", "draft_model": cfg.draft,
-        "draft_quantization": cfg.draft_quantization}
+    spec = parse_draft(cfg.draft)
+    if spec["method"] == "draft":
+        spec["draft_quantization"] = cfg.draft_quantization
     if not cfg.policies:
         engines["spec"] = plain.with_speculative(
             spec | {"num_speculative_tokens": cfg.num_speculative_tokens,

@@ -8,7 +8,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from specmoe.config import EXPERT_PARALLEL_DISPATCH, MOE_BACKEND_CHOICES, SPECULATIVE_POLICIES
+from specmoe.config import (EXPERT_PARALLEL_DISPATCH, MOE_BACKEND_CHOICES, SPECULATIVE_POLICIES,
+                            parse_draft)
 from specmoe.loader.aliases import DEFAULT_MODEL
 
 
@@ -107,7 +108,9 @@ _SPEC_FLAGS = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max
 
 def add_spec_args(p: argparse.ArgumentParser, default_draft: str | None = None) -> None:
     p.add_argument("--draft", default=default_draft,
-                   help="'ngram' for prompt lookup, or a draft model path/alias")
+                   help="'ngram' for prompt lookup, 'self:experts=K' for a MoE target "
+                        "drafting with K of its routed experts per token, or a draft model "
+                        "path/alias")
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=None,
                    help="K, draft tokens verified per step (default: 4; 0: speculation off)")
     p.add_argument("--prompt-lookup-min", type=int, default=None, help="(default: 1)")
@@ -174,9 +177,7 @@ def speculative_from_args(args) -> dict | None:
             "draft_quantization": args.draft_quantization,
             "disable_by_batch_size": args.speculative_disable_by_batch_size,
             "policy": args.speculative_policy, "batch_size_table": table}
-    if args.draft == "ngram":
-        return {"method": "ngram", **spec}
-    return {"method": "draft", "draft_model": args.draft, **spec}
+    return parse_draft(args.draft) | spec
 
 
 def llm_from_args(args, speculative: dict | None):

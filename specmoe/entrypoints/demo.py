@@ -77,7 +77,8 @@ def demo_pairs(args) -> list[DemoPair]:
 
 
 def _proposer(spec: dict) -> str:
-    name = "n-gram" if spec["method"] == "ngram" else spec["draft_model"]
+    name = {"ngram": "n-gram", "self": f"self-draft ({spec.get('self_draft_experts')} "
+            "experts)"}.get(spec["method"], spec.get("draft_model"))
     return f"{name} K={spec['num_speculative_tokens']}"
 
 

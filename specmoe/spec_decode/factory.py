@@ -9,6 +9,7 @@ from specmoe.spec_decode.draft_model import DraftModelProposer
 from specmoe.spec_decode.ngram import NgramProposer
 from specmoe.spec_decode.policy import (BatchSizeTablePolicy, NoSpeculation, SpeculationPolicy,
                                         StaticPolicy)
+from specmoe.spec_decode.self_draft import SelfDraftProposer
 from specmoe.spec_decode.shadow import SHADOW_EVERY
 from specmoe.worker.model_runner import ModelRunner
 
@@ -43,19 +44,22 @@ def build_policy(spec: SpeculativeConfig | None, target: ModelRunner,
 def build_proposer(spec: SpeculativeConfig, target: ModelRunner, target_tokenizer,
                    target_model_config: ModelConfig, num_kv_blocks: int, block_size: int,
                    loaded_drafts: dict | None = None):
-    """An NgramProposer or a DraftModelProposer (draft loaded with the target's dtype and
-    device, with a KV cache of `num_kv_blocks` blocks of `block_size` positions; it stops
-    drafting at its own context limit).
+    """An NgramProposer, a SelfDraftProposer over the target, or a DraftModelProposer (draft
+    loaded with the target's dtype and device); the latter two with a KV cache of their own of
+    `num_kv_blocks` blocks of `block_size` positions (a draft stops at its context limit).
 
     `loaded_drafts` ({(draft_model, draft_quantization): ModelRunner}), when given, is
     consulted before loading and filled after: proposers of engines that never run at the
     same time share one copy of the draft's weights (each keeps its own KV cache).
 
     Raises:
-        ValueError: when the draft model's vocabulary differs from the target's.
+        ValueError: the draft model's vocabulary differs from the target's, or a self-draft
+            of a dense target or with too many experts (`SelfDraftProposer`).
     """
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "self":
+        return SelfDraftProposer(target, num_kv_blocks, block_size, spec.self_draft_experts)
     key = (spec.draft_model, spec.draft_quantization)
     runner = (loaded_drafts or {}).get(key)
     if runner is None:

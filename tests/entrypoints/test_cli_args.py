@@ -82,3 +82,21 @@ def test_speculation_flags_take_their_defaults(flags, policy, k):
     from specmoe.entrypoints.args import speculative_from_args
     spec = speculative_from_args(build_parser().parse_args(["serve"] + flags))
     assert (spec and spec["policy"], spec and spec["num_speculative_tokens"]) == (policy, k)
+
+
+@pytest.mark.parametrize("draft, fields", [
+    ("ngram", {"method": "ngram"}),
+    ("self:experts=2", {"method": "self", "self_draft_experts": 2}),
+    ("qwen2.5-coder-0.5b", {"method": "draft", "draft_model": "qwen2.5-coder-0.5b"}),
+])
+def test_draft_flag_names_the_proposer(draft, fields):
+    from specmoe.entrypoints.args import speculative_from_args
+    spec = speculative_from_args(build_parser().parse_args(["serve", "--draft", draft]))
+    assert {key: spec.get(key) for key in fields} == fields
+
+
+def test_a_bad_self_draft_flag_is_refused_before_loading(capsys):
+    from specmoe.entrypoints.cli import main
+    assert main(["generate", "--prompt", "x", "--model", "/no/such/model",
+                 "--draft", "self:layers=0-3"]) == 2
+    assert "a self-draft is self:experts=K" in capsys.readouterr().err
