@@ -160,12 +160,6 @@ class NoSpeculation(SpeculationPolicy):
     def __init__(self, max_model_len: int) -> None:
         super().__init__(max_model_len, 0)
 
-    @property
-    def calibrated(self) -> bool:
-        """False while the policy still measures what its choices need (a warm-up runs
-        until it is True)."""
-        return True
-
     def request_k(self, num_speculative_tokens: int | None) -> int:
         return 0
 
