@@ -34,7 +34,7 @@ from train_tiny_moe import default_corpus_dir, split_corpus, val_windows  # noqa
 
 from specmoe import LLM, SamplingParams  # noqa: E402
 from specmoe.config import ModelConfig  # noqa: E402
-from specmoe.layers.moe.backends import set_expert_stats  # noqa: E402
+from specmoe.layers.moe.backends import expert_stats  # noqa: E402
 from specmoe.layers.moe.stats import ExpertStatsRecorder  # noqa: E402
 from specmoe.loader.aliases import MODELS_DATA_DIR, resolve_model_path  # noqa: E402
 from specmoe.loader.model_loader import load_model  # noqa: E402
@@ -77,7 +77,7 @@ def evaluate(alias: str, heldout: dict[str, list[int]], max_windows: int | None)
     """Cross-entropy of `alias` (fp32, our runner) on held-out windows, recording routing."""
     loaded = load_model(ModelConfig(alias, dtype="float32", device="cpu"))
     runner, recorder = ModelRunner(loaded), ExpertStatsRecorder()
-    set_expert_stats(loaded.model, recorder)
+    expert_stats(loaded.model).subscribe(recorder)
     length = loaded.max_model_len
     result = EvalResult({}, {}, recorder.routing)
     for domain, ids in heldout.items():
