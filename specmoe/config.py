@@ -28,6 +28,7 @@ class KernelConfig:
     field is None (the process-wide setting: the environment variable named, read at
     import, or the module's setter) or a bool this engine applies around its loading and its
     steps (`worker.kernel_switches`), so that two engines in one process may differ.
+    Expert-parallel worker ranks (processes of their own) keep their process's settings.
 
     Attributes:
         cpu_kernels: our native CPU kernels where they apply (False: torch's;
