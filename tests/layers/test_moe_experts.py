@@ -233,6 +233,7 @@ def test_expert_stats_hub_fans_out_to_its_subscribers(runner):
     sees no more; with none left the blocks hold the no-op recorder the fused driver needs."""
     hub = expert_stats(runner.model)
     assert hub is expert_stats(runner.model)  # one hub per model
+    quiet = [b.stats for b in moe_blocks(runner.model)]
     first, second = ExpertStatsRecorder(), ExpertStatsRecorder()
     cache = runner.new_cache(16)
     with hub.subscribed(first):
@@ -248,6 +249,8 @@ def test_expert_stats_hub_fans_out_to_its_subscribers(runner):
         assert len(second.routing[layer]) == 1
     assert hub.subscribers == ()
     assert all(type(b.stats) is NullExpertStats for b in moe_blocks(runner.model))
+    # the blocks' own no-op recorders come back, so the fused driver keeps its table
+    assert all(b.stats is q for b, q in zip(moe_blocks(runner.model), quiet))
 
 
 # ---- the grouped_mm backend and choosing a backend from configuration ----------------------

@@ -37,6 +37,7 @@ class ExpertStatsHub:
 
     def __init__(self, blocks: list) -> None:
         self.blocks = blocks
+        self._quiet = [block.stats for block in blocks]  # put back, the same objects
         self._subscribers: tuple = ()
 
     def record(self, layer_idx: int, topk_ids: torch.Tensor,
@@ -57,6 +58,8 @@ class ExpertStatsHub:
 
     def unsubscribe(self, recorder) -> None:
         """Stop sending routing to `recorder` (no-op if it is not subscribed)."""
+        if not any(r is recorder for r in self._subscribers):
+            return
         self._subscribers = tuple(r for r in self._subscribers if r is not recorder)
         self._attach()
 
@@ -70,8 +73,10 @@ class ExpertStatsHub:
             self.unsubscribe(recorder)
 
     def _attach(self) -> None:
-        quiet = NullExpertStats()
-        for block in self.blocks:
+        """The hub in the blocks' slot while one is subscribed, else each block's own
+        no-op recorder back: the same object, so the fused decoder driver keeps the table
+        it built with it (`models.fused_layers`, which checks the slot's identity)."""
+        for block, quiet in zip(self.blocks, self._quiet):
             block.stats = self if self._subscribers else quiet
 
 
