@@ -95,12 +95,10 @@ class AcceptanceTracker:
         self._fills.pop(request_id, None)
 
 
-
 def running_mean(mean: float, count: int, value: float) -> float:
     """The mean of the first values, then a moving average weighting the newest by 0.1;
     `count` includes `value`."""
     return mean + max(1.0 / count, 0.1) * (value - mean)
-
 
 
 class Estimation:
@@ -122,7 +120,6 @@ class Estimation:
         self._idle_steps = 0  # steps observed while held at K = 0
         self._step_drafted = self._step_accepted = 0  # the step's verified drafts
         self._draft_call_s = 0.0  # the drafting call before the step
-
 
     def observe_verified(self, request_id: str, drafted: int, accepted: int) -> None:
         self.acceptance.observe(request_id, drafted, accepted)
@@ -220,4 +217,3 @@ class Estimation:
         self._draft_call_s = seconds
         if self._probed:
             self._probe_cost_s += seconds
-

@@ -10,13 +10,13 @@ import math
 
 from specmoe.engine.stats import EngineStats
 from specmoe.request import Request
+from specmoe.spec_decode.adaptive.settings import AdaptiveSettings
 from specmoe.spec_decode.adaptive.solve import Pending, resolve_pending
 from specmoe.spec_decode.policy import StepReport, own_k
 from specmoe.spec_decode.proposer import ProposeRequest
 from specmoe.spec_decode.shadow import ShadowDrafts, ShadowOutcome
 
 logger = logging.getLogger(__name__)
-from specmoe.spec_decode.adaptive.settings import AdaptiveSettings
 
 
 class IdleLease:
@@ -65,7 +65,6 @@ def within_budget(chosen: list[bool], keys: list[int], costs: list[int], budget:
     return keep
 
 
-
 class Exploration:
     """Probes, shadows and leases (a part of `AdaptivePolicy`, whose state it reads and
     writes)."""
@@ -79,7 +78,6 @@ class Exploration:
         self._elapsed_s = 0.0  # seconds of forwards and drafting since the last probe
         self.lease: IdleLease | None = None
         self.shadow = shadow_drafts(settings.shadow_every, proposer)
-
 
     def _lease_holds(self, report: StepReport, stats: EngineStats) -> bool:
         """Whether the step just run is one the lease covers (`IdleLease`): every scheduled
@@ -272,4 +270,3 @@ class Exploration:
         return (self._since_probe + leased_steps + 1 >= self.probe_interval
                 and (self._elapsed_s + leased_s) * self.s.probe_budget
                 >= self._probe_cost_s)
-

@@ -37,14 +37,12 @@ class _Held:
         return [r for r in batch if r not in self.ks]
 
 
-
 Pending = Union[list[int], Callable[[], list[int]], None]
 
 
 def resolve_pending(pending: Pending) -> list[int] | None:
     """The catch-ups of `AdaptivePolicy.choose`'s `pending`, calling it if a function."""
     return pending() if callable(pending) else pending
-
 
 
 class Solve:
@@ -63,7 +61,6 @@ class Solve:
         self.prompt_cut_steps = 0  # steps whose drafts `beside_prompts` cut
         self._since_solve_s = 0.0  # seconds of forwards and drafting since the last solve
         self.clock = time.perf_counter  # times the solves (tests pin it)
-
 
     def choose(self, request_ids: list[str], caps: list[int], base_rows: int,
                pending: Pending = None, remaining: Pending = None) -> dict[str, int]:
@@ -292,4 +289,3 @@ class Solve:
         return self.matches.cut(match_lengths, proposed, lambda keep: predict(
             base_rows + sum(keep), self.unique_fraction([1 + k for k in keep] + idle)),
             explore)
-
