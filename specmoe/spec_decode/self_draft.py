@@ -21,10 +21,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+from specmoe.config import KernelConfig
 from specmoe.layers.moe.backends import moe_blocks
-from specmoe.models import fused_layers
 from specmoe.spec_decode.draft_model import DraftModelProposer
 from specmoe.spec_decode.proposer import DraftProposal, ProposeRequest
+from specmoe.worker.kernel_switches import KernelSwitches
 from specmoe.worker.model_runner import ModelRunner
 
 
@@ -55,6 +56,7 @@ class SelfDraftProposer(DraftModelProposer):
                              f"1 to {top_k - 1} (the target routes each token to {top_k})")
         super().__init__(target, num_blocks, block_size)
         self.routers, self.num_experts_per_tok = routers, num_experts_per_tok
+        self._modules_path = KernelSwitches(KernelConfig(fused_layers=False))
 
     def propose(self, reqs: list[ProposeRequest]) -> list[DraftProposal]:
         with self._fewer_experts():
@@ -62,16 +64,14 @@ class SelfDraftProposer(DraftModelProposer):
 
     @contextlib.contextmanager
     def _fewer_experts(self) -> Iterator[None]:
-        """The routers at K' experts with renormalised weights and the fused driver off,
-        put back after (on error too)."""
+        """The routers at K' experts with renormalised weights and the fused driver off
+        (`worker.kernel_switches`), put back after (on error too)."""
         saved = [(r.top_k, r.norm_topk_prob) for r in self.routers]
-        fused = fused_layers.is_enabled()
         for router in self.routers:
             router.top_k, router.norm_topk_prob = self.num_experts_per_tok, True
-        fused_layers.set_enabled(False)
         try:
-            yield
+            with self._modules_path:
+                yield
         finally:
             for router, (top_k, norm) in zip(self.routers, saved):
                 router.top_k, router.norm_topk_prob = top_k, norm
-            fused_layers.set_enabled(fused)
