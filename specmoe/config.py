@@ -13,6 +13,8 @@ SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 SPECULATIVE_METHODS = ("ngram", "draft", "self")
 SPECULATIVE_POLICIES = ("static", "batch_size_table", "adaptive")
 QUANTIZATION_METHODS = ("int8", "int4")
+# and "gguf": a .gguf file's own blocks kept at their type (`specmoe.loader.gguf_blocks`)
+WEIGHT_QUANTIZATIONS = (*QUANTIZATION_METHODS, "gguf")
 # How routed experts run (`specmoe.layers.moe.backends`): "auto" picks per device and kernels.
 MOE_BACKEND_CHOICES = ("auto", "fused", "grouped", "grouped_mm", "reference")
 # How expert-parallel ranks exchange tokens (`specmoe.layers.moe.expert_parallel`).
@@ -309,7 +311,9 @@ class ModelConfig:
         device: "cpu", "cuda" or "cuda:N"; None picks CUDA when present.
         max_model_len: context limit in tokens (None: the model's max_position_embeddings).
         quantization: None (weights in `dtype`), "int8" or "int4" weight-only quantisation of
-            the dense projections (see `specmoe.layers.quantization`).
+            the dense projections (see `specmoe.layers.quantization`), or "gguf": a .gguf
+            file's quantised matrices kept as its own blocks, run by the GGUF block kernel
+            (`specmoe.loader.gguf_blocks`; CPU only).
         moe_backend: how a MoE model's routed experts run: "fused" (the layer in one
             native call, CPU bf16; elsewhere "grouped"), "grouped" (a loop over active
             experts on the native decode kernel), "grouped_mm" (sorted tokens and two grouped
@@ -546,9 +550,9 @@ def default_kv_cache_bytes() -> int:
 
 
 def _check_quantization(name: str, value: str | None) -> None:
-    if value is not None and value not in QUANTIZATION_METHODS:
+    if value is not None and value not in WEIGHT_QUANTIZATIONS:
         raise ValueError(f"invalid {name}={value!r}: must be None or one of "
-                         f"{QUANTIZATION_METHODS}")
+                         f"{WEIGHT_QUANTIZATIONS}")
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,8 @@ class LLM:
         device: "cpu", "cuda", ... (None: CUDA when available).
         max_model_len: context limit in tokens (None: the model's).
         seed: seeds the per-request generators of requests without their own seed.
-        quantization: None, "int8" or "int4" weight-only quantisation of the target.
+        quantization: None, "int8" or "int4" weight-only quantisation of the target, or
+            "gguf": a .gguf file's blocks kept at their own types (`ModelConfig`).
         scheduler: a SchedulerConfig or a dict of its fields (continuous batching limits and
             the KV cache size), e.g. {"max_num_seqs": 16}.
         moe_backend: how a MoE target's routed experts run ("auto", "fused",

@@ -18,7 +18,7 @@ def add_advise_parser(sub) -> None:
                                     "--from-advice)")
     p.add_argument("--draft", help="draft model (alias or path) or 'ngram' (required "
                                     "unless --from-advice)")
-    p.add_argument("--draft-quantization", default=None, choices=["int8", "int4"],
+    p.add_argument("--draft-quantization", default=None, choices=["int8", "int4", "gguf"],
                    help="quantise the draft model's weights")
     p.add_argument("--prompts", default=None,
                    help="a .txt file (one prompt per line) or .jsonl (a 'prompt' or 'text' "

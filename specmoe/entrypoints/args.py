@@ -38,8 +38,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "float32 elsewhere")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: auto)")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
-    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                   help="weight-only quantisation of the target's dense projections")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"],
+                   help="weight-only quantisation of the target's dense projections; gguf: "
+                   "a .gguf file's own blocks at their types (CPU)")
     p.add_argument("--moe-backend", default="auto", choices=list(MOE_BACKEND_CHOICES),
                    help="how a MoE model's routed experts run: fused (one native call per "
                         "layer, CPU bf16), grouped (a loop over active experts on the native "
@@ -115,7 +116,7 @@ def add_spec_args(p: argparse.ArgumentParser, default_draft: str | None = None) 
                    help="K, draft tokens verified per step (default: 4; 0: speculation off)")
     p.add_argument("--prompt-lookup-min", type=int, default=None, help="(default: 1)")
     p.add_argument("--prompt-lookup-max", type=int, default=None, help="(default: 3)")
-    p.add_argument("--draft-quantization", default=None, choices=["int8", "int4"],
+    p.add_argument("--draft-quantization", default=None, choices=["int8", "int4", "gguf"],
                    help="weight-only quantisation of the draft model (int4: ~3x cheaper "
                         "drafting on CPU)")
     p.add_argument("--speculative-disable-by-batch-size", type=int, default=None,

@@ -145,10 +145,10 @@ def add_bench_parser(sub) -> None:
                       help="draft model for the draft proposer (default: %(default)s)")
     spec.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"],
                       help="(default: %(default)s)")
-    spec.add_argument("--quantization", default=None, choices=["int8", "int4"],
+    spec.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"],
                       help="the target's weights in int8/int4 (default: --dtype)")
     spec.add_argument("--draft-quantization", default=d.draft_quantization,
-                      choices=["int8", "int4", "none"], help="(default: %(default)s)")
+                      choices=["int8", "int4", "gguf", "none"], help="(default: %(default)s)")
     spec.add_argument("--datasets", type=comma_list(), default=",".join(d.datasets),
                       help="comma list of humaneval, mt_bench, gsm8k, spec_bench (default: "
                            "%(default)s)")
@@ -223,8 +223,8 @@ def add_bench_throughput_parser(bench) -> None:
                     help="shard a MoE target's experts over this many processes (default: 1)")
     add_expert_parallel_mode_args(tp)
     tp.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
-    tp.add_argument("--quantization", default=None, choices=["int8", "int4"])
-    tp.add_argument("--draft-quantization", default=None, choices=["int8", "int4"])
+    tp.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"])
+    tp.add_argument("--draft-quantization", default=None, choices=["int8", "int4", "gguf"])
     tp.add_argument("--concurrency", type=comma_list(int),
                     default=",".join(map(str, d.concurrency)),
                     help="comma list of concurrent requests (default: %(default)s)")

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specmoe.config import QUANTIZATION_METHODS
-from specmoe.kernels import gemv, gemv_int4, moe_int4
+from specmoe.kernels import gemv, gemv_int4, gguf_gemm, moe_int4
+from specmoe.layers.gguf_layers import GGUFParts
 from specmoe.layers.mlp import silu_and_mul
 from specmoe.layers.moe.block import SparseMoEBlock
 from specmoe.layers.moe.experts import RoutedExperts
@@ -486,6 +487,9 @@ def speculation_caveat(model: nn.Module) -> str | None:
     (`gemv_int4.set_batch_invariant`). Judged now: switching kernels or the mode later
     changes the answer.
     """
+    if any(isinstance(m, GGUFParts) for m in model.modules()) and gguf_gemm.kernel() is None:
+        return ("the GGUF block kernel cannot run here, and the plain-torch reference it "
+                "falls back to is not batch-invariant")
     layers = [m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
     experts = [m for m in model.modules() if isinstance(m, QuantizedRoutedExperts)]
     if any(isinstance(m, Int8Linear) for m in layers):

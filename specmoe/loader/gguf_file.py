@@ -37,6 +37,7 @@ import gguf
 import numpy as np
 import torch
 
+from specmoe.kernels.gguf_gemm import GGUFWeight
 from specmoe.loader.gguf_deepseek2 import deepseek2_config, merge_kv_b
 from specmoe.loader.gguf_names import (
     FAMILIES,
@@ -328,8 +329,11 @@ class GGUFCheckpoint:
         """The HuggingFace checkpoint names of all tensors, in file order (experts expanded)."""
         return [hf_name for plan in self._plans for hf_name in plan.hf_names]
 
-    def iter_tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield `(hf_name, tensor)` for every tensor, dequantised to `dtype` on the CPU.
+    def iter_tensors(self, dtype: torch.dtype, keep_types: frozenset = frozenset()
+                     ) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
+        """Yield `(hf_name, tensor)` for every tensor, dequantised to `dtype` on the CPU;
+        matrices whose type is in `keep_types` come as `GGUFTensor`s (the file's blocks,
+        copied out of the mapping, rows in HF order) instead.
 
         Shapes are the HuggingFace ones: linear weights [out, in], biases and norms [n],
         embeddings [vocab_size, hidden_size], router `gate` [num_experts, hidden_size],
@@ -345,6 +349,10 @@ class GGUFCheckpoint:
             ValueError: (`deepseek2`) attn_k_b and attn_v_b shapes that do not split one kv_b.
         """
         for plan in self._plans:
+            kept = self._kept_blocks(plan, keep_types)
+            if kept is not None:
+                yield from kept
+                continue
             if plan.kv_b_parts is not None:
                 array = merge_kv_b(*(_dequantize(self._tensors[part]) for part in plan.kv_b_parts))
             else:
@@ -363,6 +371,24 @@ class GGUFCheckpoint:
                 yield plan.hf_names[0], tensor
 
 
+    def _kept_blocks(self, plan: _TensorPlan, keep_types: frozenset
+                     ) -> list[tuple[str, GGUFTensor]] | None:
+        """The plan's tensor as `GGUFTensor`s (one per expert of a stack), or None when its
+        type is not kept or it is not a plain matrix."""
+        tensor = self._tensors[plan.gguf_name]
+        if (tensor.tensor_type not in keep_types or plan.kv_b_parts is not None
+                or plan.is_row_vector or len(tensor.shape) not in (2, 3)):
+            return None
+        blocks = np.array(tensor.data)  # [out, row_bytes] or [experts, out, row_bytes]
+        self._release(tensor)
+        if plan.num_rope_heads is not None:
+            blocks = undo_llama_rope_permute(blocks, plan.num_rope_heads)
+        weight = GGUFWeight(int(tensor.tensor_type), torch.from_numpy(blocks), int(tensor.shape[0]))
+        if not plan.is_stacked:
+            return [(plan.hf_names[0], GGUFTensor(weight))]
+        return [(name, GGUFTensor(weight.expert(e), weight, e))
+                for e, name in enumerate(plan.hf_names)]
+
     def _release(self, tensor: gguf.ReaderTensor) -> None:
         """Drop the file's pages under `tensor` from this process's resident memory once it
         is read (MADV_DONTNEED on the reader's read-only mapping: the page cache keeps them,
@@ -375,6 +401,39 @@ class GGUFCheckpoint:
         end = min(len(mapping), tensor.data_offset + tensor.n_bytes)
         with contextlib.suppress(OSError, ValueError):
             mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """A checkpoint matrix kept as GGUF blocks (`iter_tensors(keep_types=...)`): `weight`
+    [out, in] (an expert's view of `stack` for a stacked tensor, expert `expert`)."""
+
+    weight: GGUFWeight
+    stack: GGUFWeight | None = None
+    expert: int | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.weight.out_features, self.weight.in_features))
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+    def to(self, device: torch.device) -> "GGUFTensor":
+        """Itself on the CPU.
+
+        Raises:
+            ValueError: another device (the blocks run on the CPU kernel).
+        """
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"GGUF blocks run on the CPU, not {device}: load with "
+                             "quantization=None to dequantise them for another device")
+        return self
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """The values as [out, in] in `dtype` (the file's exact values, rounded to dtype)."""
+        return self.weight.dequantize().to(dtype)
 
 
 def _open_reader(path: Path) -> gguf.GGUFReader:

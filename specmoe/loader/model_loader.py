@@ -10,13 +10,15 @@ from pathlib import Path
 import torch
 
 from specmoe import kernels
-from specmoe.config import ArchConfig, ModelConfig
+from specmoe.config import QUANTIZATION_METHODS, ArchConfig, ModelConfig
 from specmoe.kernels import panel_prefetch_tune
 from specmoe.kernels.build import cpu_reason
+from specmoe.kernels.gguf_gemm import NATIVE_TYPES
 from specmoe.layers.linear import packed_copies, prepack_weights
 from specmoe.layers.moe.backends import moe_blocks, resolve_moe_backend, set_moe_backend
 from specmoe.layers.quantization import quantize_model
 from specmoe.loader.aliases import resolve_model_path
+from specmoe.loader.gguf_blocks import BlockStash, NoBlocks
 from specmoe.loader.hf_dir import iter_safetensors, read_hf_config
 from specmoe.loader.weights import load_weights
 from specmoe.models.decoder import DecoderModel
@@ -141,7 +143,8 @@ def load_model(config: ModelConfig, on_weights=None) -> LoadedModel:
             max_model_len.
     """
     path = resolve_model_path(config.model)
-    hf_config, tensors = open_checkpoint(path, DTYPES[config.dtype])
+    keep = _kept_block_types(config, path, on_weights)
+    hf_config, tensors = open_checkpoint(path, DTYPES[config.dtype], keep)
     family, arch = parse_arch(path, hf_config)
     max_len = _max_model_len(config, arch)
     device, dtype = resolve_device(config.device), DTYPES[config.dtype]
@@ -173,15 +176,17 @@ def _load_unit_by_unit(model: DecoderModel, tensors, family, arch: ArchConfig,
     plus one unit, as the checkpoint groups a layer's tensors (HF shards and GGUF files
     do). The result is what `quantize_model` then `prepare_for_inference` give."""
     backend = begin_inference(model, device, dtype, config.moe_backend)
+    stash = BlockStash(model, dtype) if config.quantization == "gguf" else NoBlocks()
 
     def finish(unit: torch.nn.Module) -> None:
-        if config.quantization is not None:
+        stash.adopt(unit)
+        if config.quantization in QUANTIZATION_METHODS:
             quantize_model(unit, config.quantization)
         pack_for_kernels(unit, device)
         memory.release_free_memory()  # the unit's dense weights, freed just now
     units = UnitTracker(model, finish)
     load_weights(model, tensors, family.WEIGHT_RULES, arch.tie_word_embeddings,
-                 on_param_loaded=units.param_loaded)
+                 on_param_loaded=units.param_loaded, take_blocks=stash.take)
     units.finish_rest()
     end_inference(model, device, backend)
 
@@ -222,6 +227,26 @@ def _units(model: torch.nn.Module):
             yield from ((f"{name}.{i}", sub) for i, sub in enumerate(child))
         else:
             yield name, child
+
+
+def _kept_block_types(config: ModelConfig, path: Path, on_weights) -> frozenset:
+    """The GGUF types whose blocks the load keeps (`quantization="gguf"`): those with a
+    native kernel; none otherwise.
+
+    Raises:
+        ValueError: "gguf" for a checkpoint that is not a .gguf file, on a device other
+            than the CPU, or with expert parallelism (`on_weights`).
+    """
+    if config.quantization != "gguf":
+        return frozenset()
+    if path.suffix != ".gguf" or not path.is_file():
+        raise ValueError(f"quantization='gguf' keeps a .gguf file's blocks; {path} is not "
+                         "one (use int8/int4 for a HuggingFace checkpoint)")
+    if resolve_device(config.device).type != "cpu":
+        raise ValueError(f"quantization='gguf' runs on the CPU, not {config.device}")
+    if on_weights is not None:
+        raise ValueError("quantization='gguf' does not combine with expert parallelism yet")
+    return NATIVE_TYPES
 
 
 def parse_arch(path: Path, hf_config: dict):
@@ -269,7 +294,8 @@ def check_weights_fit(path: Path, arch: ArchConfig, dtype: torch.dtype, device: 
                       quantization: str | None = None) -> None:
     """Raise ValueError when the loaded weights (`final_weight_bytes`) would not fit in the
     memory `device` has free (host memory on the CPU), before any is allocated."""
-    need = final_weight_bytes(arch, dtype, quantization)
+    need = (path.stat().st_size if quantization == "gguf"
+            else final_weight_bytes(arch, dtype, quantization))
     available = None
     if device.type == "cuda":
         available = torch.cuda.mem_get_info(device)[0]
@@ -343,9 +369,9 @@ def _native_bf16(device: torch.device, dtype: torch.dtype) -> bool:
             and kernels.kernel_unavailable_reason() is None)
 
 
-def open_checkpoint(path: Path, dtype: torch.dtype):
+def open_checkpoint(path: Path, dtype: torch.dtype, keep_types: frozenset = frozenset()):
     """(HF config dict, iterator of (HF tensor name, tensor in `dtype`)) of a HuggingFace
-    directory or a GGUF file.
+    directory or a GGUF file (whose matrices of `keep_types` come as `GGUFTensor`s).
 
     Raises:
         ValueError: `path` is neither.
@@ -356,7 +382,7 @@ def open_checkpoint(path: Path, dtype: torch.dtype):
         raise ValueError(f"{path} is neither a HuggingFace model directory nor a .gguf file")
     from specmoe.loader.gguf_file import GGUFCheckpoint
     ckpt = GGUFCheckpoint(path)
-    return ckpt.hf_config, ckpt.iter_tensors(dtype)
+    return ckpt.hf_config, ckpt.iter_tensors(dtype, keep_types)
 
 
 def _max_model_len(config: ModelConfig, arch: ArchConfig) -> int:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
+from specmoe.loader.gguf_file import GGUFTensor
 from specmoe.models.weight_rules import IGNORED, WeightRule
 
 _MAX_LISTED = 8
@@ -19,10 +20,15 @@ _MAX_LISTED = 8
 
 def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
                  rules: list[WeightRule], tied_embeddings: bool,
-                 on_param_loaded: Callable[[str], None] = lambda name: None) -> None:
+                 on_param_loaded: Callable[[str], None] = lambda name: None,
+                 take_blocks: Callable[[tuple, GGUFTensor], bool] = lambda slot, t: False
+                 ) -> None:
     """Copy checkpoint `tensors` (HuggingFace names) into `model`'s parameters, calling
     `on_param_loaded(name)` as each parameter gets the last of its slots (its experts and
-    shards), before the next tensor is read.
+    shards), before the next tensor is read. A `GGUFTensor` (blocks kept at the file's
+    type) fills its slot through `take_blocks(slot, tensor)` where that returns True (the
+    slot is then loaded, its parameter untouched), else it is dequantised and copied. A
+    slot is (parameter name, expert or None, shard or None).
 
     Raises:
         ValueError: unexpected checkpoint tensors, missing parameters, a parameter filled
@@ -44,7 +50,10 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
         if slot is None or slot[0] not in params:
             unexpected.append(name)
             continue
-        _copy(params[slot[0]], slot, tensor, name)
+        if isinstance(tensor, GGUFTensor) and not take_blocks(slot, tensor):
+            tensor = tensor.dense(params[slot[0]].dtype)
+        if not isinstance(tensor, GGUFTensor):
+            copy_slot(params[slot[0]], slot, tensor, name)
         loaded.add(slot)
         slots_left[slot[0]] -= 1
         if not slots_left[slot[0]]:
@@ -74,7 +83,7 @@ def _expected_slots(params: dict[str, nn.Parameter]) -> Iterator[tuple]:
                 yield (name, e, s)
 
 
-def _copy(param: nn.Parameter, slot: tuple, tensor: torch.Tensor, ckpt_name: str) -> None:
+def copy_slot(param: nn.Parameter, slot: tuple, tensor: torch.Tensor, ckpt_name: str) -> None:
     _, expert, shard = slot
     view = param.data if expert is None else param.data[expert]
     if shard is not None:
