@@ -7,35 +7,29 @@
  * layouts of ggml (llama.cpp `ggml-common.h`; the `gguf` package's `quants.py` decodes the
  * same blocks in numpy and is the reference in the tests).
  *
- * Method: a tile of NC weight rows is dequantised, SEG weights of k at a time, into a
- * float32 buffer with exactly the numpy reference's arithmetic (one float32 product per
- * scale, no fused multiply-add: this file is built with -ffp-contract=off), so the kernel
- * multiplies by the very values `gguf.quants.dequantize` gives; then every activation row
- * is multiplied by the tile with fused multiply-adds into two 8-lane accumulators per
- * (row, weight row), one for even and one for odd groups of 8 inputs. Each output is thus
- * summed in one order that depends on k only: a row's bits are the same whatever the
- * number of rows, the tiling or the thread count (batch invariance), and the weights are
- * read once per call for all rows.
+ * Products (`specmoe_gguf_gemm`): each activation row is quantised to int8 per block
+ * (`gguf_dot.h` gives the method and its rounding), then every (row, weight row) pair is
+ * one integer dot product over the file's blocks, read once per tile of NC weight rows for
+ * all activation rows. Each output's summation order depends on k only: a row's bits are
+ * the same whatever the number of rows or threads (batch invariance).
+ *
+ * Lookups (`specmoe_gguf_dequant_rows`): rows decoded to float32 with exactly the numpy
+ * reference's arithmetic (one float32 product per scale, no fused multiply-add: this file
+ * is built with -ffp-contract=off), i.e. the values `gguf.quants.dequantize` gives.
  *
  * Needs x86-64 with AVX2, FMA and F16C (x86-64-v3).
  */
 #include <immintrin.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "gguf_dot.h"
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
        T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };  /* ggml_type values */
 
 #define NC 4     /* weight rows per tile */
-#define SEG 256  /* weights of a row dequantised at a time */
-
-static inline float fp16(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
 
 static inline uint32_t load_u32(const uint8_t *p) {
     uint32_t v;
@@ -100,14 +94,14 @@ static inline void store_affine(const __m256 f[4], float d, float m, float *out,
 static void dq_q4_0(const uint8_t *b, float *out) {
     __m256 f[4];
     u8x32_to_ps(nibbles16(b + 2), f);
-    const float d = fp16(b);
+    const float d = half(b);
     store_scaled(f, 8.0f, d, d, out);
 }
 
 static void dq_q4_1(const uint8_t *b, float *out) {
     __m256 f[4];
     u8x32_to_ps(nibbles16(b + 4), f);
-    store_affine(f, fp16(b), fp16(b + 2), out, 0);
+    store_affine(f, half(b), half(b + 2), out, 0);
 }
 
 static inline __m256i five_bits(const uint8_t *qs, uint32_t qh) {
@@ -117,18 +111,18 @@ static inline __m256i five_bits(const uint8_t *qs, uint32_t qh) {
 static void dq_q5_0(const uint8_t *b, float *out) {
     __m256 f[4];
     u8x32_to_ps(five_bits(b + 6, load_u32(b + 2)), f);
-    const float d = fp16(b);
+    const float d = half(b);
     store_scaled(f, 16.0f, d, d, out);
 }
 
 static void dq_q5_1(const uint8_t *b, float *out) {
     __m256 f[4];
     u8x32_to_ps(five_bits(b + 8, load_u32(b + 4)), f);
-    store_affine(f, fp16(b), fp16(b + 2), out, 0);
+    store_affine(f, half(b), half(b + 2), out, 0);
 }
 
 static void dq_q8_0(const uint8_t *b, float *out) {
-    const __m256 d = _mm256_set1_ps(fp16(b));
+    const __m256 d = _mm256_set1_ps(half(b));
     for (int i = 0; i < 4; i++) {
         const __m128i q = _mm_loadl_epi64((const __m128i *)(b + 2 + 8 * i));
         const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
@@ -154,7 +148,7 @@ static inline void k_scale_min(const uint8_t *s, int j, int *sc, int *m) {
  * before qs; the fifth bit of element l of sub-block j is bit j of qh[l]. */
 static inline void dq_k_4_5(const uint8_t *b, const uint8_t *qh, const uint8_t *qs,
                             float *out) {
-    const float d = fp16(b), dmin = fp16(b + 2);
+    const float d = half(b), dmin = half(b + 2);
     const __m256i one = _mm256_set1_epi8(1);
     for (int j = 0; j < 8; j++) {
         int sc, m;
@@ -182,7 +176,7 @@ static void dq_q5_k(const uint8_t *b, float *out) { dq_k_4_5(b, b + 16, b + 48, 
 static void dq_q6_k(const uint8_t *b, float *out) {
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *scales = (const int8_t *)(b + 192);
-    const float d = fp16(b + 208);
+    const float d = half(b + 208);
     const __m256i three = _mm256_set1_epi8(3);
     for (int h = 0; h < 2; h++) {
         const __m256i hv = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
@@ -200,22 +194,26 @@ static void dq_q6_k(const uint8_t *b, float *out) {
 
 typedef void (*dq_block)(const uint8_t *, float *);
 
+typedef float (*dot_row)(const uint8_t *, const int8_t *, const float *, const int16_t *,
+                        int64_t);
+
 typedef struct {
     int block;        /* weights per block */
     int bytes;        /* bytes per block */
     dq_block decode;
+    dot_row dot;
 } type_info;
 
 static int type_of(int type, type_info *t) {
     switch (type) {
-    case T_Q4_0: *t = (type_info){32, 18, dq_q4_0}; return 0;
-    case T_Q4_1: *t = (type_info){32, 20, dq_q4_1}; return 0;
-    case T_Q5_0: *t = (type_info){32, 22, dq_q5_0}; return 0;
-    case T_Q5_1: *t = (type_info){32, 24, dq_q5_1}; return 0;
-    case T_Q8_0: *t = (type_info){32, 34, dq_q8_0}; return 0;
-    case T_Q4_K: *t = (type_info){256, 144, dq_q4_k}; return 0;
-    case T_Q5_K: *t = (type_info){256, 176, dq_q5_k}; return 0;
-    case T_Q6_K: *t = (type_info){256, 210, dq_q6_k}; return 0;
+    case T_Q4_0: *t = (type_info){32, 18, dq_q4_0, dot_q4_0}; return 0;
+    case T_Q4_1: *t = (type_info){32, 20, dq_q4_1, dot_q4_1}; return 0;
+    case T_Q5_0: *t = (type_info){32, 22, dq_q5_0, dot_q5_0}; return 0;
+    case T_Q5_1: *t = (type_info){32, 24, dq_q5_1, dot_q5_1}; return 0;
+    case T_Q8_0: *t = (type_info){32, 34, dq_q8_0, dot_q8_0}; return 0;
+    case T_Q4_K: *t = (type_info){256, 144, dq_q4_k, dot_q4_k}; return 0;
+    case T_Q5_K: *t = (type_info){256, 176, dq_q5_k, dot_q5_k}; return 0;
+    case T_Q6_K: *t = (type_info){256, 210, dq_q6_k, dot_q6_k}; return 0;
     default: return -1;
     }
 }
@@ -235,57 +233,27 @@ static int check(int type, type_info *t, int64_t row_bytes, int64_t k) {
     return 0;
 }
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+/* Activation rows quantised for a type of block `block` (gguf_dot.h). */
+typedef struct {
+    int8_t *q;       /* [rows][k] */
+    float *d;        /* [rows][k / B] */
+    int16_t *s16;    /* [rows][k / 16] */
+    int64_t B;
+} acts;
+
+static int acts_alloc(acts *a, int64_t rows, int64_t k, int block) {
+    a->B = block == 256 ? 256 : 32;
+    const int64_t n = rows > 0 ? rows : 1;
+    a->q = malloc((size_t)(n * k));
+    a->d = malloc(sizeof(float) * (size_t)(n * (k / a->B)));
+    a->s16 = malloc(sizeof(int16_t) * (size_t)(n * (k / 16)));
+    return a->q && a->d && a->s16 ? 0 : -4;
 }
 
-/* acc[r][j][0..1] += the tile's SEG-span (wbuf[j][0 .. len)) times x row r. */
-static void tile_span(const float (*wbuf)[SEG], int64_t len, const float *x, int64_t ldx,
-                      int64_t rows, __m256 *acc) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * ldx;
-        __m256 *a = acc + r * NC * 2;
-        __m256 a00 = a[0], a01 = a[1], a10 = a[2], a11 = a[3];
-        __m256 a20 = a[4], a21 = a[5], a30 = a[6], a31 = a[7];
-        for (int64_t c = 0; c < len; c += 16) {
-            const __m256 x0 = _mm256_loadu_ps(xr + c), x1 = _mm256_loadu_ps(xr + c + 8);
-            a00 = _mm256_fmadd_ps(_mm256_load_ps(wbuf[0] + c), x0, a00);
-            a01 = _mm256_fmadd_ps(_mm256_load_ps(wbuf[0] + c + 8), x1, a01);
-            a10 = _mm256_fmadd_ps(_mm256_load_ps(wbuf[1] + c), x0, a10);
-            a11 = _mm256_fmadd_ps(_mm256_load_ps(wbuf[1] + c + 8), x1, a11);
-            a20 = _mm256_fmadd_ps(_mm256_load_ps(wbuf[2] + c), x0, a20);
-            a21 = _mm256_fmadd_ps(_mm256_load_ps(wbuf[2] + c + 8), x1, a21);
-            a30 = _mm256_fmadd_ps(_mm256_load_ps(wbuf[3] + c), x0, a30);
-            a31 = _mm256_fmadd_ps(_mm256_load_ps(wbuf[3] + c + 8), x1, a31);
-        }
-        a[0] = a00; a[1] = a01; a[2] = a10; a[3] = a11;
-        a[4] = a20; a[5] = a21; a[6] = a30; a[7] = a31;
-    }
-}
-
-/* Output rows [n0, n0 + NC) of y (those below n_out). */
-static void gemm_tile(const type_info *t, const uint8_t *w, int64_t row_bytes, int64_t n0,
-                      int64_t n_out, int64_t k, const float *x, int64_t ldx, int64_t rows,
-                      float *y, int64_t ldy, __m256 *acc) {
-    static __thread float wbuf[NC][SEG] __attribute__((aligned(32)));
-    const int64_t live = n_out - n0 < NC ? n_out - n0 : NC;
-    for (int64_t i = 0; i < rows * NC * 2; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t k0 = 0; k0 < k; k0 += SEG) {
-        const int64_t len = k - k0 < SEG ? k - k0 : SEG;
-        for (int64_t j = 0; j < NC; j++) {
-            if (j < live) decode_span(t, w + (n0 + j) * row_bytes, k0, len, wbuf[j]);
-            else memset(wbuf[j], 0, sizeof(wbuf[j]));
-        }
-        tile_span((const float (*)[SEG])wbuf, len, x + k0, ldx, rows, acc);
-    }
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t j = 0; j < live; j++) {
-            const __m256 *a = acc + (r * NC + j) * 2;
-            y[r * ldy + n0 + j] = hsum(_mm256_add_ps(a[0], a[1]));
-        }
+static void acts_free(acts *a) {
+    free(a->q);
+    free(a->d);
+    free(a->s16);
 }
 
 /* y [rows, ldy] (first n_out columns) = x [rows, ldx] (first k columns) @ W^T.
@@ -297,24 +265,29 @@ int specmoe_gguf_gemm(int type, const uint8_t *w, int64_t row_bytes, int64_t n_o
     type_info t;
     int err = check(type, &t, row_bytes, k);
     if (err) return err;
-    const int64_t tiles = (n_out + NC - 1) / NC;
-    if (num_threads > tiles) num_threads = (int)tiles;
+    acts a;
+    if ((err = acts_alloc(&a, rows, k, t.block)) != 0) {
+        acts_free(&a);
+        return err;
+    }
+    const int64_t tiles = (n_out + NC - 1) / NC, nb = k / a.B;
     if (num_threads < 1) num_threads = 1;
-    int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        __m256 *acc = aligned_alloc(32, sizeof(__m256) * NC * 2 * (rows > 0 ? rows : 1));
-        if (acc == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
 #pragma omp for schedule(static)
-        for (int64_t tile = 0; tile < tiles; tile++)
-            if (acc != NULL)
-                gemm_tile(&t, w, row_bytes, tile * NC, n_out, k, x, ldx, rows, y, ldy, acc);
-        free(acc);
+        for (int64_t r = 0; r < rows; r++)
+            quantize_row(x + r * ldx, k, (int)a.B, a.q + r * k, a.d + r * nb, a.s16 + r * (k / 16));
+#pragma omp for schedule(static)
+        for (int64_t tile = 0; tile < tiles; tile++) {
+            const int64_t n1 = tile * NC + NC < n_out ? tile * NC + NC : n_out;
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t n = tile * NC; n < n1; n++)
+                    y[r * ldy + n] = t.dot(w + n * row_bytes, a.q + r * k, a.d + r * nb,
+                                           a.s16 + r * (k / 16), k);
+        }
     }
-    return failed ? -4 : 0;
+    acts_free(&a);
+    return 0;
 }
 
 /* out [n_ids, k] float32 = rows ids[i] of W, dequantised (an embedding lookup).

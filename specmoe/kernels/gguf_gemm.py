@@ -1,10 +1,16 @@
 """Matrix products and embedding lookups on GGUF-quantised weights in the file's own blocks,
-through `gguf_gemm.c` (the C source gives the method): a weight W [n, k] of ggml type
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K stays as its `row_bytes` bytes per row,
-so a forward reads the file's bytes, and is multiplied by exactly the values
-`gguf.quants.dequantize` gives for those blocks (`dequantize_reference`, the plain
-reference). Each output row's sum has one order whatever the number of rows (batch
-invariant), so greedy speculation on a GGUF target equals plain decoding.
+through `gguf_gemm.c` and `gguf_dot.h` (the C sources give the method): a weight W [n, k]
+of ggml type Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K stays as its `row_bytes`
+bytes per row, so a forward reads the file's bytes, as llama.cpp does.
+
+Products multiply the weights' exact values (those `gguf.quants.dequantize` gives for the
+blocks, `dequantize_reference`) by the activations rounded to int8 per block of
+`activation_block(type)` inputs (scale max|x| / 127, round half to even), as llama.cpp's
+CPU kernels do: per output, the rounding errs by at most sum over blocks of
+scale / 2 * sum |w| of the block. `quantize_activations` is that rounding in plain torch
+and `matmul_reference` the whole product. Each output row's sum has one order whatever the
+number of rows (batch invariant), so greedy speculation on a GGUF target equals plain
+decoding. Lookups (`rows`) give the exact values.
 
 `GGUFWeight` holds one tensor's blocks; `matmul` runs the kernel where it applies (a CPU
 with AVX2/FMA/F16C, the kernels' switch on: `specmoe.kernels.set_enabled`) and
@@ -158,9 +164,26 @@ class GGUFWeight:
         return self.matmul_reference(x)
 
     def matmul_reference(self, x: torch.Tensor) -> torch.Tensor:
-        """Plain torch: float32 x @ dequantize_reference(W)^T."""
+        """Plain torch: x rounded as the kernel rounds it (`quantize_activations`) @
+        dequantize_reference(W)^T in float32."""
         w = dequantize_reference(self).to(x.device)
-        return F.linear(x.to(torch.float32), w)
+        return F.linear(quantize_activations(x, activation_block(self.ggml_type)), w)
+
+
+def activation_block(ggml_type: int) -> int:
+    """Inputs per int8 activation scale for weights of `ggml_type`: 256 for the K-quants
+    (their super-block), 32 otherwise."""
+    return 256 if gguf.GGML_QUANT_SIZES[Q(ggml_type)][0] == 256 else 32
+
+
+def quantize_activations(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x [T, k] (k % block == 0) rounded as the kernel rounds it, as float32 values: per
+    block, scale = max|x| / 127 and round-half-even(x * (1 / scale)) * scale (0 for an
+    all-zero block)."""
+    xb = x.to(torch.float32).reshape(x.shape[0], -1, block)
+    scale = xb.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    return (torch.round(xb * inv) * scale).reshape(x.shape[0], -1)
 
 
 def _check(code: int) -> None:

@@ -12,7 +12,13 @@ import torch
 
 from specmoe.kernels import gguf_gemm
 from specmoe.kernels.build import cpu_reason
-from specmoe.kernels.gguf_gemm import NATIVE_TYPES, GGUFWeight, dequantize_reference
+from specmoe.kernels.gguf_gemm import (
+    NATIVE_TYPES,
+    GGUFWeight,
+    activation_block,
+    dequantize_reference,
+    quantize_activations,
+)
 from tests.gguf_blocks import random_blocks, random_weight
 
 TYPES = sorted(NATIVE_TYPES)
@@ -32,10 +38,10 @@ def built():
 
 
 def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Float32 accumulation error bound of x @ w^T: k * 2^-24 * sum |x| |w| (per output),
-    with a factor 2 for the final lane sums."""
+    """Float32 error bound of the kernel's x @ w^T: 4 * k * 2^-24 * sum |x| |w| per output
+    (each block's scale products and the float sums of blocks, with margin)."""
     k = x.shape[1]
-    return 2 * k * 2.0 ** -24 * (x.abs().double() @ w.abs().double().T)
+    return 4 * k * 2.0 ** -24 * (x.abs().double() @ w.abs().double().T)
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
@@ -47,8 +53,13 @@ def test_the_file_values_and_the_products(ggml_type, n, k):
     ids = torch.tensor([n - 1, 0, n // 2])
     assert torch.equal(w.rows(ids), ref[ids])
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(k))
-    err = (w.matmul(x).double() - x.double() @ ref.double().T).abs()
-    assert (err <= _bound(x, ref)).all()
+    xq = quantize_activations(x, activation_block(ggml_type))
+    got = w.matmul(x).double()
+    assert ((got - xq.double() @ ref.double().T).abs() <= _bound(xq, ref)).all()
+    # against the unrounded x: within the activations' rounding (half a step per input)
+    step = (x - xq).abs().double().reshape(5, -1, activation_block(ggml_type)).amax(-1)
+    rounding = step.repeat_interleave(activation_block(ggml_type), 1) @ ref.abs().double().T
+    assert ((got - x.double() @ ref.double().T).abs() <= rounding + _bound(x, ref)).all()
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
@@ -82,6 +93,16 @@ def test_zero_rows_and_the_reference_agree():
     assert w.matmul(torch.zeros(0, 64)).shape == (0, 4)
     x = torch.randn(2, 64)
     torch.testing.assert_close(w.matmul(x), w.matmul_reference(x), rtol=1e-5, atol=1e-5)
+
+
+def test_activations_round_as_the_kernel_rounds_them():
+    """An activation already on the int8 grid of its block is not rounded: the product is
+    then the exact one up to float32 sums."""
+    w = random_weight(gguf_gemm.Q.Q6_K, 16, 512)
+    x = quantize_activations(torch.randn(3, 512, generator=torch.Generator().manual_seed(5)), 256)
+    assert torch.equal(quantize_activations(x, 256), x)
+    ref = x.double() @ dequantize_reference(w).double().T
+    assert ((w.matmul(x).double() - ref).abs() <= _bound(x, dequantize_reference(w))).all()
 
 
 def test_bad_blocks_and_ids_are_named():
