@@ -1,21 +1,36 @@
-/* Dot products of one GGUF weight row with one activation row quantised to int8, for
- * `gguf_gemm.c` (the method of llama.cpp's AVX2 `ggml_vec_dot_*` kernels, written anew).
+/* Dot products of GGUF weight rows with activation rows quantised to int8, for
+ * `gguf_gemm.c` (the arithmetic of llama.cpp's AVX2 `ggml_vec_dot_*` kernels, written anew,
+ * in two forms that give the same bits).
  *
  * Activations: per block of B inputs (B = 32 for the 32-weight types, 256 for the K-quants)
- * a float scale dx = max|x| / 127 and q = round-half-even(x / dx) in [-127, 127], plus the
- * sum of q over every 16 inputs (`s16`) for the weights' offsets and minima. A weight
- * row's blocks are read as the file stores them; products of their small integers with q
- * are summed exactly in int32 (maddubs, then madd, with a K-quant's 6- or 8-bit sub-block
- * scales applied in the integer domain), and each block's (super-block's) integer sum is
- * scaled once in float32 and added to one 8-lane accumulator; offsets and minima are
- * corrected in float32 per block. The order of every sum depends on k only, never on the
- * number of rows, so a row's result has the same bits in any batch.
+ * a float scale dx = max|x| / 127 and q = round-half-even(x / dx) in [-127, 127]; per 16
+ * inputs, s16 = the sum of their q (for the weights' offsets).
+ *
+ * Weights, every type: w[e] = dw[b] sc[g] u[e] - oc[b] mi[g] for input e of block b
+ * (B inputs) and group g (16 inputs): u unsigned bytes (Q8_0: |q|, its signs applied to
+ * the activations), sc and mi small integers (a K-quant's sub-block scales and minima or
+ * Q6_K's scales; 1 otherwise), dw and oc the block's float scale and offset coefficient
+ * (Q4_0: d, 8 d; Q4_1: d, -m; Q4_K: d, dmin; Q6_K: d, 32 d; ...). Per block, the integer
+ * sum over its 32-input chunks of madd(maddubs(u, q), sc) (exact) is scaled by dw dx and
+ * added to 8 float lanes; the offset's integer sum of mi s16 is scaled by oc dx and
+ * subtracted from one float, block after block. The float operations and their order
+ * depend on k only, never on the number of rows, and are the same in both forms:
+ *   - `dot_*` read a row's blocks directly (one activation row: least work);
+ *   - `unpack_row` then `dot_canon` unpack a weight row once for many activation rows.
+ * So a row's result has the same bits whichever form and whatever the batch.
  */
 #ifndef SPECMOE_GGUF_DOT_H
 #define SPECMOE_GGUF_DOT_H
 
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
+
+static inline float half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
 
 static inline float hsum_ps(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -54,21 +69,31 @@ static void quantize_row(const float *x, int64_t k, int B, int8_t *q, float *d,
                                                  _mm256_packs_epi32(v[2], v[3]));
             _mm256_storeu_si256((__m256i *)(q + b0 + i), _mm256_permutevar8x32_epi32(p, order));
         }
-    }
-    for (int64_t g = 0; g < k / 16; g++) {
-        int s = 0;
-        for (int i = 0; i < 16; i++) s += q[16 * g + i];
-        s16[g] = (int16_t)s;
+        for (int g = 0; g < B / 16; g++) {
+            int s = 0;
+            for (int i = 0; i < 16; i++) s += q[b0 + 16 * g + i];
+            s16[b0 / 16 + g] = (int16_t)s;
+        }
     }
 }
 
-/* Sum of u[i] * s[i] over 32 bytes (u unsigned, s signed) as 8 int32 lanes, each lane
- * weighted by the int16 lanes of `scale` (lane pairs: 2 per int32 lane). */
-static inline __m256i dot_u8s8(__m256i u, __m256i s, __m256i scale) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), scale);
+/* One block's float terms, shared by both forms: acc += (dw dx) * sum lanes, and
+ * corr -= (oc dx) * isum. */
+static inline void block_terms(float dw, float oc, float dx, __m256i sum, int isum,
+                               __m256 *acc, float *corr) {
+    *acc = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx), _mm256_cvtepi32_ps(sum), *acc);
+    *corr -= oc * dx * (float)isum;
 }
 
-static inline __m256i nibbles_u8(const uint8_t *qs16) {   /* 16 bytes -> 32 values */
+static inline __m256i sc_pair(int lo, int hi) {
+    return _mm256_set_m128i(_mm_set1_epi16((short)hi), _mm_set1_epi16((short)lo));
+}
+
+static inline __m256i dot32(__m256i u, __m256i x, __m256i sc) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), sc);
+}
+
+static inline __m256i nib_lo_hi(const uint8_t *qs16) {   /* 16 bytes -> 32 values */
     const __m128i v = _mm_loadu_si128((const __m128i *)qs16), m = _mm_set1_epi8(0x0F);
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
 }
@@ -81,63 +106,49 @@ static inline __m256i bits_to_bytes(uint32_t bits) {  /* bit i -> byte i (0 or 1
     return _mm256_min_epu8(bit, _mm256_set1_epi8(1));
 }
 
-static inline float half(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
-/* ---- blocks of 32 (activations with B = 32) ---------------------------------------------
- * w = d * (u - off) (Q4_0 off 8, Q5_0 off 16), w = d * u + m (Q4_1, Q5_1), w = d * q
- * (Q8_0, signed: |q| times sign-adjusted x). */
+/* ---- blocks of 32: d (fp16) [m (fp16)] [qh (4 bytes)] qs -------------------------------
+ * One block decoded: its u (and Q8_0's signed q in *q), dw, oc (mi = sc = 1). */
 enum { L_Q4_0, L_Q4_1, L_Q5_0, L_Q5_1, L_Q8_0 };
+
+static inline __attribute__((always_inline)) __m256i
+legacy_block(const int kind, const uint8_t *w, float *dw, float *oc, __m256i *q) {
+    uint32_t qh;
+    *dw = half(w);
+    switch (kind) {
+    case L_Q4_0: *oc = 8.0f * *dw; return nib_lo_hi(w + 2);
+    case L_Q4_1: *oc = -half(w + 2); return nib_lo_hi(w + 4);
+    case L_Q5_0:
+        memcpy(&qh, w + 2, 4);
+        *oc = 16.0f * *dw;
+        return _mm256_or_si256(nib_lo_hi(w + 6), _mm256_slli_epi16(bits_to_bytes(qh), 4));
+    case L_Q5_1:
+        memcpy(&qh, w + 4, 4);
+        *oc = -half(w + 2);
+        return _mm256_or_si256(nib_lo_hi(w + 8), _mm256_slli_epi16(bits_to_bytes(qh), 4));
+    default:  /* L_Q8_0 */
+        *q = _mm256_loadu_si256((const __m256i *)(w + 2));
+        *oc = 0.0f;
+        return _mm256_sign_epi8(*q, *q);
+    }
+}
 
 static inline __attribute__((always_inline)) float
 dot_legacy(const int kind, const int bytes, const uint8_t *w, const int8_t *xq,
-           const float *xd, const int16_t *xs, int64_t k) {
-    const __m256i ones = _mm256_set1_epi16(1);
+           const float *xd, const int16_t *s16, int64_t k) {
+    const __m256i ones = sc_pair(1, 1);
     __m256 acc = _mm256_setzero_ps();
     float corr = 0.0f;
     for (int64_t b = 0; b < k / 32; b++, w += bytes) {
-        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * b));
-        const float d = half(w) * xd[b];
-        const int sum = xs[2 * b] + xs[2 * b + 1];
-        __m256i p;
-        switch (kind) {
-        case L_Q4_0: p = dot_u8s8(nibbles_u8(w + 2), x, ones); corr -= 8.0f * d * (float)sum; break;
-        case L_Q4_1: p = dot_u8s8(nibbles_u8(w + 4), x, ones); corr += half(w + 2) * xd[b] * (float)sum; break;
-        case L_Q5_0: {
-            uint32_t qh; memcpy(&qh, w + 2, 4);
-            const __m256i u = _mm256_or_si256(nibbles_u8(w + 6), _mm256_slli_epi16(bits_to_bytes(qh), 4));
-            p = dot_u8s8(u, x, ones); corr -= 16.0f * d * (float)sum; break;
-        }
-        case L_Q5_1: {
-            uint32_t qh; memcpy(&qh, w + 4, 4);
-            const __m256i u = _mm256_or_si256(nibbles_u8(w + 8), _mm256_slli_epi16(bits_to_bytes(qh), 4));
-            p = dot_u8s8(u, x, ones); corr += half(w + 2) * xd[b] * (float)sum; break;
-        }
-        default: {  /* L_Q8_0 */
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 2));
-            p = dot_u8s8(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q), ones);
-        }
-        }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(p), acc);
+        float dw, oc;
+        __m256i q = _mm256_setzero_si256(), x = _mm256_loadu_si256((const __m256i *)(xq + 32 * b));
+        const __m256i u = legacy_block(kind, w, &dw, &oc, &q);
+        if (kind == L_Q8_0) x = _mm256_sign_epi8(x, q);
+        block_terms(dw, oc, xd[b], dot32(u, x, ones), s16[2 * b] + s16[2 * b + 1], &acc, &corr);
     }
     return hsum_ps(acc) + corr;
 }
 
-#define LEGACY_DOT(name, kind, bytes)                                                      \
-    static float name(const uint8_t *w, const int8_t *xq, const float *xd,                 \
-                      const int16_t *xs, int64_t k) {                                      \
-        return dot_legacy(kind, bytes, w, xq, xd, xs, k);                                  \
-    }
-LEGACY_DOT(dot_q4_0, L_Q4_0, 18)
-LEGACY_DOT(dot_q4_1, L_Q4_1, 20)
-LEGACY_DOT(dot_q5_0, L_Q5_0, 22)
-LEGACY_DOT(dot_q5_1, L_Q5_1, 24)
-LEGACY_DOT(dot_q8_0, L_Q8_0, 34)
-
-/* ---- super-blocks of 256 (activations with B = 256) ------------------------------------ */
+/* ---- super-blocks of 256 --------------------------------------------------------------- */
 
 static inline void scale_min_k4(const uint8_t *s, int j, int *sc, int *m) {
     if (j < 4) {
@@ -149,81 +160,187 @@ static inline void scale_min_k4(const uint8_t *s, int j, int *sc, int *m) {
     }
 }
 
-/* Q4_K (qh NULL) and Q5_K: w = d sc_j u - dmin m_j over sub-blocks j of 32. */
+/* Q4_K (five = 0) and Q5_K, sub-block j of 32 (u, its scale and min): w = d sc_j u -
+ * dmin m_j; sub-block 2g / 2g+1 are the low / high nibbles of qs[32 g ..], Q5_K's fifth
+ * bit of input l of sub-block j is bit j of qh[l]. */
+static inline __attribute__((always_inline)) __m256i
+k45_sub(const int five, const uint8_t *w, int j, int *sc, int *m) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const uint8_t *qs = w + (five ? 48 : 16);
+    scale_min_k4(w + 4, j, sc, m);
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * (j / 2)));
+    __m256i u = _mm256_and_si256(_mm256_srli_epi16(v, 4 * (j & 1)), low4);
+    if (five) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(w + 16));
+        const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(h, j), _mm256_set1_epi8(1));
+        u = _mm256_or_si256(u, _mm256_slli_epi16(bit, 4));
+    }
+    return u;
+}
+
 static inline __attribute__((always_inline)) float
 dot_k45(const int five, const int bytes, const uint8_t *w, const int8_t *xq,
-        const float *xd, const int16_t *xs, int64_t k) {
+        const float *xd, const int16_t *s16, int64_t k) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
     __m256 acc = _mm256_setzero_ps();
     float corr = 0.0f;
-    for (int64_t i = 0; i < k / 256; i++, w += bytes, xq += 256, xs += 16) {
-        const uint8_t *qh = w + 16, *qs = w + (five ? 48 : 16);
+    for (int64_t i = 0; i < k / 256; i++, w += bytes, xq += 256, s16 += 16) {
+        int sc[8], m[8], isum = 0;
+        for (int j = 0; j < 8; j++) {
+            scale_min_k4(w + 4, j, &sc[j], &m[j]);
+            isum += m[j] * (s16[2 * j] + s16[2 * j + 1]);
+        }
+        const uint8_t *qs = w + (five ? 48 : 16);
+        const __m256i h = five ? _mm256_loadu_si256((const __m256i *)(w + 16)) : low4;
         __m256i sum = _mm256_setzero_si256();
-        int msum = 0;
-        for (int g = 0; g < 4; g++) {
-            int sc0, m0, sc1, m1;
-            scale_min_k4(w + 4, 2 * g, &sc0, &m0);
-            scale_min_k4(w + 4, 2 * g + 1, &sc1, &m1);
+        for (int g = 0; g < 4; g++) {   /* sub-blocks 2g (low nibbles) and 2g + 1 (high) */
             const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * g));
             __m256i u0 = _mm256_and_si256(v, low4);
             __m256i u1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
             if (five) {
-                const __m256i h = _mm256_loadu_si256((const __m256i *)qh);
                 u0 = _mm256_or_si256(u0, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * g), one), 4));
                 u1 = _mm256_or_si256(u1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * g + 1), one), 4));
             }
             const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + 64 * g));
             const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + 64 * g + 32));
-            sum = _mm256_add_epi32(sum, dot_u8s8(u0, x0, _mm256_set1_epi16((short)sc0)));
-            sum = _mm256_add_epi32(sum, dot_u8s8(u1, x1, _mm256_set1_epi16((short)sc1)));
-            msum += m0 * (xs[4 * g] + xs[4 * g + 1]) + m1 * (xs[4 * g + 2] + xs[4 * g + 3]);
+            sum = _mm256_add_epi32(sum, dot32(u0, x0, _mm256_set1_epi16((short)sc[2 * g])));
+            sum = _mm256_add_epi32(sum, dot32(u1, x1, _mm256_set1_epi16((short)sc[2 * g + 1])));
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(half(w) * xd[i]), _mm256_cvtepi32_ps(sum), acc);
-        corr -= half(w + 2) * xd[i] * (float)msum;
+        block_terms(half(w), half(w + 2), xd[i], sum, isum, &acc, &corr);
     }
     return hsum_ps(acc) + corr;
 }
 
-static float dot_q4_k(const uint8_t *w, const int8_t *xq, const float *xd,
-                      const int16_t *xs, int64_t k) {
-    return dot_k45(0, 144, w, xq, xd, xs, k);
+/* Q6_K: ql[128], qh[64], scales[16] (int8), d; w = d sc_g (u - 32) over groups g of 16
+ * (dw = d, oc = 32 d, mi = sc). In half h, input 32 s + l: low 4 bits are nibble s / 2 of
+ * ql[64 h + 32 (s % 2) + l], high 2 bits are bits 2 s of qh[32 h + l]. Chunk c = 4 h + s. */
+static inline __m256i q6_chunk(const uint8_t *w, int c) {
+    const int h = c / 4, s = c % 4;
+    const __m256i lv = _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32 * (s % 2)));
+    const __m256i hv = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
+    const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(lv, 4 * (s / 2)), _mm256_set1_epi8(0x0F));
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hv, 2 * s), _mm256_set1_epi8(3));
+    return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
 }
 
-static float dot_q5_k(const uint8_t *w, const int8_t *xq, const float *xd,
-                      const int16_t *xs, int64_t k) {
-    return dot_k45(1, 176, w, xq, xd, xs, k);
-}
-
-/* Q6_K: w = d sc_g (u - 32) over groups g of 16, u = 4 low bits (ql) | 2 high bits (qh). */
 static float dot_q6_k(const uint8_t *w, const int8_t *xq, const float *xd,
-                      const int16_t *xs, int64_t k) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
+                      const int16_t *s16, int64_t k) {
     __m256 acc = _mm256_setzero_ps();
     float corr = 0.0f;
-    for (int64_t i = 0; i < k / 256; i++, w += 210, xq += 256, xs += 16) {
-        const uint8_t *ql = w, *qh = w + 128;
+    for (int64_t i = 0; i < k / 256; i++, w += 210, xq += 256, s16 += 16) {
         const int8_t *sc = (const int8_t *)(w + 192);
         __m256i sum = _mm256_setzero_si256();
-        int csum = 0;
-        for (int h = 0; h < 2; h++) {
-            const __m256i hv = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
-            for (int s = 0; s < 4; s++) {
-                const __m256i lv = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32 * (s % 2)));
-                const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(lv, 4 * (s / 2)), low4);
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hv, 2 * s), three);
-                const __m256i u = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
-                const int g = 8 * h + 2 * s;
-                const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(sc[g + 1]), _mm_set1_epi16(sc[g]));
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 128 * h + 32 * s));
-                sum = _mm256_add_epi32(sum, dot_u8s8(u, x, scale));
-                csum += sc[g] * xs[g] + sc[g + 1] * xs[g + 1];
-            }
+        int isum = 0;
+        for (int c = 0; c < 8; c++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * c));
+            sum = _mm256_add_epi32(sum, dot32(q6_chunk(w, c), x, sc_pair(sc[2 * c], sc[2 * c + 1])));
+            isum += sc[2 * c] * s16[2 * c] + sc[2 * c + 1] * s16[2 * c + 1];
         }
-        const float d = half(w + 208) * xd[i];
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sum), acc);
-        corr -= 32.0f * d * (float)csum;
+        const float d = half(w + 208);
+        block_terms(d, 32.0f * d, xd[i], sum, isum, &acc, &corr);
     }
     return hsum_ps(acc) + corr;
+}
+
+#define DOT_ROW(name, call)                                                                \
+    static float name(const uint8_t *w, const int8_t *xq, const float *xd,                 \
+                      const int16_t *s16, int64_t k) {                                     \
+        return call;                                                                       \
+    }
+DOT_ROW(dot_q4_0, dot_legacy(L_Q4_0, 18, w, xq, xd, s16, k))
+DOT_ROW(dot_q4_1, dot_legacy(L_Q4_1, 20, w, xq, xd, s16, k))
+DOT_ROW(dot_q5_0, dot_legacy(L_Q5_0, 22, w, xq, xd, s16, k))
+DOT_ROW(dot_q5_1, dot_legacy(L_Q5_1, 24, w, xq, xd, s16, k))
+DOT_ROW(dot_q8_0, dot_legacy(L_Q8_0, 34, w, xq, xd, s16, k))
+DOT_ROW(dot_q4_k, dot_k45(0, 144, w, xq, xd, s16, k))
+DOT_ROW(dot_q5_k, dot_k45(1, 176, w, xq, xd, s16, k))
+
+/* ---- the unpacked form, for many activation rows --------------------------------------- */
+
+/* u [k], sc [k / 32] (16 int16 each: 8 lanes for a chunk's first 16 inputs, 8 for the
+ * next), sgn [k] (Q8_0's signed q), dw and oc [k / B], mi [k / 16]. */
+typedef struct {
+    uint8_t *u;
+    __m256i *sc;
+    int8_t *sgn;
+    float *dw, *oc;
+    int16_t *mi;
+    int B, is_signed;
+} canon;
+
+static inline void put(canon *c, int64_t chunk, __m256i u, int sc0, int sc1, int mi0, int mi1) {
+    _mm256_storeu_si256((__m256i *)(c->u + 32 * chunk), u);
+    c->sc[chunk] = sc_pair(sc0, sc1);
+    c->mi[2 * chunk] = (int16_t)mi0;
+    c->mi[2 * chunk + 1] = (int16_t)mi1;
+}
+
+static inline __attribute__((always_inline)) void
+unpack_legacy(const int kind, const int bytes, const uint8_t *w, int64_t k, canon *c) {
+    for (int64_t b = 0; b < k / 32; b++, w += bytes) {
+        __m256i q = _mm256_setzero_si256();
+        put(c, b, legacy_block(kind, w, &c->dw[b], &c->oc[b], &q), 1, 1, 1, 1);
+        if (kind == L_Q8_0) _mm256_storeu_si256((__m256i *)(c->sgn + 32 * b), q);
+    }
+}
+
+static inline __attribute__((always_inline)) void
+unpack_k45(const int five, const int bytes, const uint8_t *w, int64_t k, canon *c) {
+    for (int64_t i = 0; i < k / 256; i++, w += bytes) {
+        for (int j = 0; j < 8; j++) {
+            int sc, m;
+            const __m256i u = k45_sub(five, w, j, &sc, &m);
+            put(c, 8 * i + j, u, sc, sc, m, m);
+        }
+        c->dw[i] = half(w);
+        c->oc[i] = half(w + 2);
+    }
+}
+
+static void unpack_q6_k(const uint8_t *w, int64_t k, canon *c) {
+    for (int64_t i = 0; i < k / 256; i++, w += 210) {
+        const int8_t *sc = (const int8_t *)(w + 192);
+        for (int ch = 0; ch < 8; ch++)
+            put(c, 8 * i + ch, q6_chunk(w, ch), sc[2 * ch], sc[2 * ch + 1], sc[2 * ch], sc[2 * ch + 1]);
+        c->dw[i] = half(w + 208);
+        c->oc[i] = 32.0f * c->dw[i];
+    }
+}
+
+#define UNPACK_ROW(name, call)                                                             \
+    static void name(const uint8_t *w, int64_t k, canon *c) { call; }
+UNPACK_ROW(unpack_q4_0, unpack_legacy(L_Q4_0, 18, w, k, c))
+UNPACK_ROW(unpack_q4_1, unpack_legacy(L_Q4_1, 20, w, k, c))
+UNPACK_ROW(unpack_q5_0, unpack_legacy(L_Q5_0, 22, w, k, c))
+UNPACK_ROW(unpack_q5_1, unpack_legacy(L_Q5_1, 24, w, k, c))
+UNPACK_ROW(unpack_q8_0, unpack_legacy(L_Q8_0, 34, w, k, c))
+UNPACK_ROW(unpack_q4_k, unpack_k45(0, 144, w, k, c))
+UNPACK_ROW(unpack_q5_k, unpack_k45(1, 176, w, k, c))
+
+static inline __attribute__((always_inline)) float
+dot_canon_t(const int is_signed, const canon *c, const int8_t *xq, const float *xd,
+            const int16_t *s16, int64_t k) {
+    const int B = c->B;
+    __m256 acc = _mm256_setzero_ps();
+    float corr = 0.0f;
+    for (int64_t b0 = 0, b = 0; b0 < k; b0 += B, b++) {
+        __m256i sum = _mm256_setzero_si256();
+        int isum = 0;
+        for (int64_t e = b0; e < b0 + B; e += 32) {
+            __m256i x = _mm256_loadu_si256((const __m256i *)(xq + e));
+            if (is_signed) x = _mm256_sign_epi8(x, _mm256_loadu_si256((const __m256i *)(c->sgn + e)));
+            const __m256i u = _mm256_loadu_si256((const __m256i *)(c->u + e));
+            sum = _mm256_add_epi32(sum, dot32(u, x, c->sc[e / 32]));
+        }
+        for (int64_t g = b0 / 16; g < (b0 + B) / 16; g++) isum += c->mi[g] * s16[g];
+        block_terms(c->dw[b], c->oc[b], xd[b], sum, isum, &acc, &corr);
+    }
+    return hsum_ps(acc) + corr;
+}
+
+static float dot_canon(const canon *c, const int8_t *xq, const float *xd, const int16_t *s16,
+                       int64_t k) {
+    return c->is_signed ? dot_canon_t(1, c, xq, xd, s16, k) : dot_canon_t(0, c, xq, xd, s16, k);
 }
 
 #endif

@@ -29,7 +29,8 @@
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
        T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };  /* ggml_type values */
 
-#define NC 4     /* weight rows per tile */
+#define NC 4           /* weight rows per tile */
+#define DIRECT_ROWS 2  /* up to this many activation rows, dot products read the blocks */
 
 static inline uint32_t load_u32(const uint8_t *p) {
     uint32_t v;
@@ -194,26 +195,29 @@ static void dq_q6_k(const uint8_t *b, float *out) {
 
 typedef void (*dq_block)(const uint8_t *, float *);
 
-typedef float (*dot_row)(const uint8_t *, const int8_t *, const float *, const int16_t *,
-                        int64_t);
+typedef float (*dot_fn)(const uint8_t *, const int8_t *, const float *, const int16_t *,
+                       int64_t);
+typedef void (*unpack_fn)(const uint8_t *, int64_t, canon *);
 
 typedef struct {
     int block;        /* weights per block */
     int bytes;        /* bytes per block */
     dq_block decode;
-    dot_row dot;
+    dot_fn dot;
+    unpack_fn unpack;
+    int is_signed;    /* Q8_0: |q| with signs applied to the activations */
 } type_info;
 
 static int type_of(int type, type_info *t) {
     switch (type) {
-    case T_Q4_0: *t = (type_info){32, 18, dq_q4_0, dot_q4_0}; return 0;
-    case T_Q4_1: *t = (type_info){32, 20, dq_q4_1, dot_q4_1}; return 0;
-    case T_Q5_0: *t = (type_info){32, 22, dq_q5_0, dot_q5_0}; return 0;
-    case T_Q5_1: *t = (type_info){32, 24, dq_q5_1, dot_q5_1}; return 0;
-    case T_Q8_0: *t = (type_info){32, 34, dq_q8_0, dot_q8_0}; return 0;
-    case T_Q4_K: *t = (type_info){256, 144, dq_q4_k, dot_q4_k}; return 0;
-    case T_Q5_K: *t = (type_info){256, 176, dq_q5_k, dot_q5_k}; return 0;
-    case T_Q6_K: *t = (type_info){256, 210, dq_q6_k, dot_q6_k}; return 0;
+    case T_Q4_0: *t = (type_info){32, 18, dq_q4_0, dot_q4_0, unpack_q4_0, 0}; return 0;
+    case T_Q4_1: *t = (type_info){32, 20, dq_q4_1, dot_q4_1, unpack_q4_1, 0}; return 0;
+    case T_Q5_0: *t = (type_info){32, 22, dq_q5_0, dot_q5_0, unpack_q5_0, 0}; return 0;
+    case T_Q5_1: *t = (type_info){32, 24, dq_q5_1, dot_q5_1, unpack_q5_1, 0}; return 0;
+    case T_Q8_0: *t = (type_info){32, 34, dq_q8_0, dot_q8_0, unpack_q8_0, 1}; return 0;
+    case T_Q4_K: *t = (type_info){256, 144, dq_q4_k, dot_q4_k, unpack_q4_k, 0}; return 0;
+    case T_Q5_K: *t = (type_info){256, 176, dq_q5_k, dot_q5_k, unpack_q5_k, 0}; return 0;
+    case T_Q6_K: *t = (type_info){256, 210, dq_q6_k, dot_q6_k, unpack_q6_k, 0}; return 0;
     default: return -1;
     }
 }
@@ -243,10 +247,10 @@ typedef struct {
 
 static int acts_alloc(acts *a, int64_t rows, int64_t k, int block) {
     a->B = block == 256 ? 256 : 32;
-    const int64_t n = rows > 0 ? rows : 1;
-    a->q = malloc((size_t)(n * k));
-    a->d = malloc(sizeof(float) * (size_t)(n * (k / a->B)));
-    a->s16 = malloc(sizeof(int16_t) * (size_t)(n * (k / 16)));
+    const size_t n = (size_t)(rows > 0 ? rows : 1);
+    a->q = malloc(n * (size_t)k);
+    a->d = malloc(sizeof(float) * n * (size_t)(k / a->B));
+    a->s16 = malloc(sizeof(int16_t) * n * (size_t)(k / 16));
     return a->q && a->d && a->s16 ? 0 : -4;
 }
 
@@ -254,6 +258,42 @@ static void acts_free(acts *a) {
     free(a->q);
     free(a->d);
     free(a->s16);
+}
+
+/* NC unpacked weight rows of k inputs in one allocation (NULL when out of memory). */
+static void *canons_alloc(canon c[NC], int64_t k, int B, int is_signed) {
+    const size_t sc = sizeof(__m256i) * (size_t)(k / 32), u = (size_t)k;
+    const size_t blocks = sizeof(float) * (size_t)(k / B), mi = sizeof(int16_t) * (size_t)(k / 16);
+    const size_t one = (sc + 2 * u + 2 * blocks + mi + 31) / 32 * 32;
+    uint8_t *mem = aligned_alloc(32, one * NC);
+    if (mem == NULL) return NULL;
+    for (int j = 0; j < NC; j++) {
+        uint8_t *p = mem + one * j;
+        c[j] = (canon){.sc = (__m256i *)p, .u = p + sc, .sgn = (int8_t *)(p + sc + u),
+                       .dw = (float *)(p + sc + 2 * u), .oc = (float *)(p + sc + 2 * u + blocks),
+                       .mi = (int16_t *)(p + sc + 2 * u + 2 * blocks), .B = B,
+                       .is_signed = is_signed};
+    }
+    return mem;
+}
+
+/* Output rows [n0, n1) of y, each weight row read from its blocks for every activation row
+ * (up to DIRECT_ROWS rows), or unpacked once and then dotted with every row: the same
+ * bits either way (gguf_dot.h). */
+static void gemm_tile(const type_info *t, const uint8_t *w, int64_t row_bytes, int64_t n0,
+                      int64_t n1, int64_t k, const acts *a, int64_t rows, float *y,
+                      int64_t ldy, canon c[NC]) {
+    const int64_t nb = k / a->B;
+    if (rows > DIRECT_ROWS)
+        for (int64_t n = n0; n < n1; n++) t->unpack(w + n * row_bytes, k, &c[n - n0]);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t n = n0; n < n1; n++) {
+            const int8_t *xq = a->q + r * k;
+            const float *xd = a->d + r * nb;
+            const int16_t *s16 = a->s16 + r * (k / 16);
+            y[r * ldy + n] = rows > DIRECT_ROWS ? dot_canon(&c[n - n0], xq, xd, s16, k)
+                                                : t->dot(w + n * row_bytes, xq, xd, s16, k);
+        }
 }
 
 /* y [rows, ldy] (first n_out columns) = x [rows, ldx] (first k columns) @ W^T.
@@ -272,22 +312,27 @@ int specmoe_gguf_gemm(int type, const uint8_t *w, int64_t row_bytes, int64_t n_o
     }
     const int64_t tiles = (n_out + NC - 1) / NC, nb = k / a.B;
     if (num_threads < 1) num_threads = 1;
+    int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
+        canon c[NC];
+        void *mem = rows > DIRECT_ROWS ? canons_alloc(c, k, (int)a.B, t.is_signed) : c;
+        if (mem == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++)
             quantize_row(x + r * ldx, k, (int)a.B, a.q + r * k, a.d + r * nb, a.s16 + r * (k / 16));
 #pragma omp for schedule(static)
         for (int64_t tile = 0; tile < tiles; tile++) {
-            const int64_t n1 = tile * NC + NC < n_out ? tile * NC + NC : n_out;
-            for (int64_t r = 0; r < rows; r++)
-                for (int64_t n = tile * NC; n < n1; n++)
-                    y[r * ldy + n] = t.dot(w + n * row_bytes, a.q + r * k, a.d + r * nb,
-                                           a.s16 + r * (k / 16), k);
+            const int64_t n0 = tile * NC, n1 = n0 + NC < n_out ? n0 + NC : n_out;
+            if (mem != NULL) gemm_tile(&t, w, row_bytes, n0, n1, k, &a, rows, y, ldy, c);
         }
+        if (mem != c) free(mem);
     }
     acts_free(&a);
-    return 0;
+    return failed ? -4 : 0;
 }
 
 /* out [n_ids, k] float32 = rows ids[i] of W, dequantised (an embedding lookup).

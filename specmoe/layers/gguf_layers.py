@@ -5,10 +5,11 @@ holds about the file's bytes instead of a full-precision copy and reads those by
 token, as llama.cpp does.
 
 Blocks are buffers (they move with the module and into huge pages); a layer builds its
-`GGUFWeight` views from them at each call. Activations are multiplied in float32 and
-the results rounded to the activations' dtype, by the kernels and the plain-torch
-references alike (`forward_reference`: the `gguf` package's dequantisation, then
-`F.linear`).
+`GGUFWeight` views from them at each call. Activations are rounded to int8 per block and
+multiplied in integers by the kernel (`specmoe.kernels.gguf_gemm` gives the rounding), the
+results rounded to the activations' dtype; the plain-torch references
+(`forward_reference`) round the activations the same way and multiply them by the `gguf`
+package's dequantisation.
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specmoe.kernels.gguf_gemm import GGUFWeight, dequantize_reference
+from specmoe.kernels.gguf_gemm import (
+    GGUFWeight,
+    activation_block,
+    dequantize_reference,
+    quantize_activations,
+)
 
 
 class GGUFParts(nn.Module):
@@ -56,10 +62,12 @@ class GGUFParts(nn.Module):
             start += n
         return out
 
-    def dense(self) -> torch.Tensor:
-        """The weight [sum n_i, k] float32 as the plain reference decodes it."""
-        return torch.cat([p.float() if isinstance(p, torch.Tensor) else dequantize_reference(p)
-                          for p in self.parts()])
+    def matmul_reference(self, x: torch.Tensor) -> torch.Tensor:
+        """Plain torch of `matmul`: each shard's `GGUFWeight.matmul_reference` (x rounded as
+        the kernel rounds it, the `gguf` package's values) or F.linear on a dense one."""
+        xf = x.to(torch.float32)
+        return torch.cat([F.linear(xf, p.float()) if isinstance(p, torch.Tensor)
+                          else p.matmul_reference(xf) for p in self.parts()], dim=1)
 
 
 class GGUFLinear(nn.Module):
@@ -86,7 +94,7 @@ class GGUFLinear(nn.Module):
         return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x.to(torch.float32), self.parts.dense().to(x.device))
+        y = self.parts.matmul_reference(x)
         return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -109,7 +117,8 @@ class GGUFEmbedding(nn.Module):
 class GGUFRoutedExperts(nn.Module):
     """N SwiGLU experts (`RoutedExperts`' math) whose gate, up and down projections are
     stacked GGUF tensors as the file holds them (`ffn_gate_exps` [N, I, H],
-    `ffn_up_exps` [N, I, H], `ffn_down_exps` [N, H, I]), each at its own type.
+    `ffn_up_exps` [N, I, H], `ffn_down_exps` [N, H, I]), each at its own type; gate and up
+    of one type are joined into one stack [N, 2I, H] (one kernel call per expert).
 
     Forward: the (token, slot) pairs grouped by expert, then per active expert its rows
     through the block kernel for gate and up (one view of the stack each, the expert's
@@ -122,22 +131,29 @@ class GGUFRoutedExperts(nn.Module):
 
     def __init__(self, gate: GGUFWeight, up: GGUFWeight, down: GGUFWeight) -> None:
         super().__init__()
-        self.projections = nn.ModuleDict({name: GGUFParts([w]) for name, w in
-                                          (("gate", gate), ("up", up), ("down", down))})
+        if gate.ggml_type == up.ggml_type:
+            gate_up = [GGUFWeight(gate.ggml_type, torch.cat([gate.blocks, up.blocks], dim=1),
+                                  gate.in_features)]
+        else:
+            gate_up = [gate, up]
+        self.gate_up = nn.ModuleList(GGUFParts([w]) for w in gate_up)
+        self.down = GGUFParts([down])
         self.num_experts = gate.blocks.shape[0]
         self.intermediate_size = gate.out_features
         self.reads_packed = True  # set by `set_moe_backend`, as on `RoutedExperts`
 
-    def _weights(self) -> tuple[GGUFWeight, GGUFWeight, GGUFWeight]:
-        return tuple(self.projections[n].parts()[0] for n in ("gate", "up", "down"))
+    def _weights(self) -> tuple[list[GGUFWeight], GGUFWeight]:
+        return [p.parts()[0] for p in self.gate_up], self.down.parts()[0]
 
     def weight_bytes(self) -> int:
         return sum(b.nbytes for b in self.buffers())
 
     def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on x [n, H] -> float32 [n, H]."""
-        gate, up, down = (w.expert(e) for w in self._weights())
-        return down.matmul(F.silu(gate.matmul(x)) * up.matmul(x))
+        gate_up, down = self._weights()
+        h = torch.cat([w.expert(e).matmul(x) for w in gate_up], dim=1)
+        return down.expert(e).matmul(F.silu(h[:, :self.intermediate_size])
+                                     * h[:, self.intermediate_size:])
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
                 ) -> torch.Tensor:
@@ -168,16 +184,20 @@ class GGUFRoutedExperts(nn.Module):
                           topk_weights: torch.Tensor) -> torch.Tensor:
         """Per token, its experts in ascending id order, each from the `gguf` package's
         dequantisation: the oracle of `forward`."""
-        gate, up, down = (dequantize_reference(w) for w in self._weights())
+        gate_up, down = self._weights()
+        stacks = [(activation_block(w.ggml_type), dequantize_reference(w)) for w in gate_up]
+        down_block, down_stack = activation_block(down.ggml_type), dequantize_reference(down)
         out = torch.zeros(x.shape, dtype=torch.float32)
         for t in range(x.shape[0]):
-            xt = x[t:t + 1].float()
             for j in torch.argsort(topk_ids[t], stable=True).tolist():
                 e = int(topk_ids[t, j])
-                h = F.silu(F.linear(xt, gate[e])) * F.linear(xt, up[e])
-                out[t] += F.linear(h, down[e])[0] * topk_weights[t, j].float()
+                h = torch.cat([F.linear(quantize_activations(x[t:t + 1], block), w[e])
+                               for block, w in stacks], dim=1)
+                h = F.silu(h[:, :self.intermediate_size]) * h[:, self.intermediate_size:]
+                y = F.linear(quantize_activations(h, down_block), down_stack[e])
+                out[t] += y[0] * topk_weights[t, j].float()
         return out.to(x.dtype)
 
     def extra_repr(self) -> str:
-        types = [self.projections[n].types[0] for n in ("gate", "up", "down")]
+        types = [p.types[0] for p in (*self.gate_up, self.down)]
         return f"num_experts={self.num_experts}, intermediate={self.intermediate_size}, types={types}"

@@ -487,9 +487,13 @@ def speculation_caveat(model: nn.Module) -> str | None:
     (`gemv_int4.set_batch_invariant`). Judged now: switching kernels or the mode later
     changes the answer.
     """
-    if any(isinstance(m, GGUFParts) for m in model.modules()) and gguf_gemm.kernel() is None:
+    gguf_parts = [m for m in model.modules() if isinstance(m, GGUFParts)]
+    if gguf_parts and gguf_gemm.kernel() is None:
         return ("the GGUF block kernel cannot run here, and the plain-torch reference it "
                 "falls back to is not batch-invariant")
+    if any(None in m.types for m in gguf_parts):
+        return ("some of its GGUF matrices are unquantised and run torch's float matmul, "
+                "which is not batch-invariant on every CPU")
     layers = [m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
     experts = [m for m in model.modules() if isinstance(m, QuantizedRoutedExperts)]
     if any(isinstance(m, Int8Linear) for m in layers):
