@@ -1,4 +1,6 @@
-"""Paged attention on CPU in bfloat16 through `attention_bf16.c`.
+"""Paged attention on CPU in bfloat16 through `attention_bf16.c`, and in float32 through
+`attention_f32.c` (AVX2: every row's sums in one fixed order, so float32 speculation is
+lossless on CPUs without AVX-512 too).
 
 Decode, verification and prefill rows alike: the kernel reads each key/value row of a
 sequence once per block of query vectors, from the cache, through the block tables, with an
@@ -77,6 +79,52 @@ def try_attention_bf16(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tens
             and k_cache.is_contiguous() and v_cache.is_contiguous()):
         return False
     kernel = _lazy.get()
+    if kernel is None:
+        return False
+    q = q.contiguous()
+    _, num_heads, head_dim = q.shape
+    t = seqs.block_tables
+    rc = kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                seqs.row_start.data_ptr(), seqs.num_rows.data_ptr(),
+                seqs.start_pos.data_ptr(), t.data_ptr(), t.shape[0], t.shape[1],
+                seqs.block_size, num_heads, k_cache.shape[1], head_dim,
+                sliding_window or 0, scale, torch.get_num_threads())
+    return rc == 0
+
+
+def load_kernel_f32():
+    """Build and load `attention_f32.c`; returns `specmoe_attention_f32(...) -> int` (the
+    arguments of the bf16 kernel, float32 tensors).
+
+    Raises:
+        KernelBuildError: no suitable CPU, no compiler, or the build failed.
+        OSError: the built library cannot be loaded.
+    """
+    fn = load("attention_f32.c", cpu_flags=("avx2", "fma")).specmoe_attention_f32
+    fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_lazy_f32 = LazyKernel(load_kernel_f32, "float32 CPU attention kernel unavailable, using "
+                                        "the torch path")
+
+
+def try_attention_f32(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                      seqs, scale: float, sliding_window: int | None,
+                      out: torch.Tensor) -> bool:
+    """`try_attention_bf16` for float32 queries, caches and output (head_dim a multiple of
+    8): each (row, head) attends its own keys with sums in one order (see the C source).
+    Returns False (nothing written) where it does not apply. Raises nothing."""
+    k_cache, v_cache = kv_cache
+    f32 = torch.float32
+    if not gemv.is_enabled() or torch.is_grad_enabled() and q.requires_grad:
+        return False
+    if not (q.is_cpu and k_cache.is_cpu and q.dtype is f32 and k_cache.dtype is f32
+            and v_cache.dtype is f32 and out.dtype is f32 and out.is_contiguous()
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and q.shape[2] % 8 == 0):
+        return False
+    kernel = _lazy_f32.get()
     if kernel is None:
         return False
     q = q.contiguous()

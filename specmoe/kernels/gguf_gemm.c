@@ -20,6 +20,7 @@
  * Needs x86-64 with AVX2, FMA and F16C (x86-64-v3).
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -49,25 +50,10 @@ static inline void u8x32_to_ps(__m256i q, __m256 f[4]) {
     f[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
 }
 
-/* 16 bytes of packed nibbles as 32 bytes: the low nibbles, then the high ones. */
-static inline __m256i nibbles16(const uint8_t *qs) {
-    const __m128i v = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
-}
-
 /* Nibble `shift / 4` (shift 0 or 4) of each of 32 bytes. */
 static inline __m256i nibbles32(const uint8_t *qs, int shift) {
     const __m256i v = _mm256_loadu_si256((const __m256i *)qs);
     return _mm256_and_si256(_mm256_srli_epi16(v, shift), _mm256_set1_epi8(0x0F));
-}
-
-/* Bit i of `bits` as byte i (0 or 1), i < 32. */
-static inline __m256i bits32_to_bytes(uint32_t bits) {
-    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread);
-    const __m256i bit = _mm256_and_si256(v, _mm256_set1_epi64x(0x8040201008040201LL));
-    return _mm256_min_epu8(bit, _mm256_set1_epi8(1));
 }
 
 /* out[8 i ..] = d * (f[i] - off), d = d_lo for the first 16 values and d_hi for the
@@ -94,19 +80,19 @@ static inline void store_affine(const __m256 f[4], float d, float m, float *out,
 
 static void dq_q4_0(const uint8_t *b, float *out) {
     __m256 f[4];
-    u8x32_to_ps(nibbles16(b + 2), f);
+    u8x32_to_ps(nib_lo_hi(b + 2), f);
     const float d = half(b);
     store_scaled(f, 8.0f, d, d, out);
 }
 
 static void dq_q4_1(const uint8_t *b, float *out) {
     __m256 f[4];
-    u8x32_to_ps(nibbles16(b + 4), f);
+    u8x32_to_ps(nib_lo_hi(b + 4), f);
     store_affine(f, half(b), half(b + 2), out, 0);
 }
 
 static inline __m256i five_bits(const uint8_t *qs, uint32_t qh) {
-    return _mm256_or_si256(nibbles16(qs), _mm256_slli_epi16(bits32_to_bytes(qh), 4));
+    return _mm256_or_si256(nib_lo_hi(qs), _mm256_slli_epi16(bits_to_bytes(qh), 4));
 }
 
 static void dq_q5_0(const uint8_t *b, float *out) {
@@ -296,6 +282,39 @@ static void gemm_tile(const type_info *t, const uint8_t *w, int64_t row_bytes, i
         }
 }
 
+/* Quantise rows [0, rows) of x into a, inside a parallel region (a worksharing loop). */
+static void quantize_team(const float *x, int64_t ldx, int64_t rows, int64_t k, const acts *a) {
+    const int64_t nb = k / a->B;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        quantize_row(x + r * ldx, k, (int)a->B, a->q + r * k, a->d + r * nb, a->s16 + r * (k / 16));
+}
+
+/* One product of a group of consecutive quantised rows with one weight. */
+typedef struct {
+    const uint8_t *w;    /* the weight's blocks [n_out, row_bytes] */
+    int64_t first_row;   /* rows [first_row, first_row + rows) of the activations */
+    int64_t rows;
+    float *y;            /* row r of the group at y + r * ldy */
+} gemm_job;
+
+/* The jobs' products with weights of one type and shape, inside a parallel region: one
+ * worksharing loop over every (job, tile of NC output rows). `c` is this thread's unpack
+ * space (unused unless a job has more than DIRECT_ROWS rows). */
+static void gemm_team(const type_info *t, int64_t row_bytes, int64_t n_out, int64_t k,
+                      const acts *a, const gemm_job *jobs, int64_t n_jobs, int64_t ldy,
+                      canon c[NC]) {
+    const int64_t tiles = (n_out + NC - 1) / NC, nb = k / a->B;
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < n_jobs * tiles; item++) {
+        const gemm_job *j = &jobs[item / tiles];
+        const int64_t n0 = item % tiles * NC, n1 = n0 + NC < n_out ? n0 + NC : n_out;
+        const acts rows = {a->q + j->first_row * k, a->d + j->first_row * nb,
+                           a->s16 + j->first_row * (k / 16), a->B};
+        gemm_tile(t, j->w, row_bytes, n0, n1, k, &rows, j->rows, j->y, ldy, c);
+    }
+}
+
 /* y [rows, ldy] (first n_out columns) = x [rows, ldx] (first k columns) @ W^T.
  * Returns 0, or -1 unknown type, -2 k not a multiple of the block, -3 row_bytes not k's,
  * -4 out of memory. */
@@ -310,25 +329,17 @@ int specmoe_gguf_gemm(int type, const uint8_t *w, int64_t row_bytes, int64_t n_o
         acts_free(&a);
         return err;
     }
-    const int64_t tiles = (n_out + NC - 1) / NC, nb = k / a.B;
-    if (num_threads < 1) num_threads = 1;
+    const gemm_job job = {w, 0, rows, y};
     int failed = 0;
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads)
     {
         canon c[NC];
         void *mem = rows > DIRECT_ROWS ? canons_alloc(c, k, (int)a.B, t.is_signed) : c;
-        if (mem == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++)
-            quantize_row(x + r * ldx, k, (int)a.B, a.q + r * k, a.d + r * nb, a.s16 + r * (k / 16));
-#pragma omp for schedule(static)
-        for (int64_t tile = 0; tile < tiles; tile++) {
-            const int64_t n0 = tile * NC, n1 = n0 + NC < n_out ? n0 + NC : n_out;
-            if (mem != NULL) gemm_tile(&t, w, row_bytes, n0, n1, k, &a, rows, y, ldy, c);
-        }
+#pragma omp atomic update
+        failed += mem == NULL;
+#pragma omp barrier
+        quantize_team(x, ldx, rows, k, &a);
+        if (!failed) gemm_team(&t, row_bytes, n_out, k, &a, &job, 1, ldy, c);
         if (mem != c) free(mem);
     }
     acts_free(&a);
@@ -346,4 +357,174 @@ int specmoe_gguf_dequant_rows(int type, const uint8_t *w, int64_t row_bytes, int
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t i = 0; i < n_ids; i++) decode_span(&t, w + ids[i] * row_bytes, 0, k, out + i * k);
     return 0;
+}
+
+/* ---- a MoE layer's routed experts in one call ------------------------------------------ */
+
+typedef struct {
+    int64_t *count, *start, *order, *pos;  /* per expert; pairs sorted by expert; inverse */
+    float *xg, *h, *act, *y;               /* [P, H], [P, 2I], [P, I], [P, H] */
+    gemm_job *gate_up, *down;              /* one per active expert */
+    int64_t active, most_rows;
+} moe_space;
+
+static void moe_free(moe_space *m) {
+    void *ptrs[] = {m->count, m->start, m->order, m->pos, m->xg, m->h, m->act, m->y,
+                    m->gate_up, m->down};
+    for (size_t i = 0; i < sizeof(ptrs) / sizeof(ptrs[0]); i++) free(ptrs[i]);
+}
+
+/* The (token, slot) pairs sorted by expert (stable), and the space of one call. Returns
+ * 0, -4 out of memory, -5 an expert id outside [0, N). */
+static int moe_plan(moe_space *m, const int64_t *ids, int64_t P, int64_t N, int64_t H,
+                    int64_t I) {
+    memset(m, 0, sizeof(*m));
+    m->count = calloc((size_t)N, sizeof(int64_t));
+    m->start = malloc(sizeof(int64_t) * (size_t)(N + 1));
+    m->order = malloc(sizeof(int64_t) * (size_t)P);
+    m->pos = malloc(sizeof(int64_t) * (size_t)P);
+    m->xg = malloc(sizeof(float) * (size_t)(P * H));
+    m->h = malloc(sizeof(float) * (size_t)(P * 2 * I));
+    m->act = malloc(sizeof(float) * (size_t)(P * I));
+    m->y = malloc(sizeof(float) * (size_t)(P * H));
+    m->gate_up = malloc(sizeof(gemm_job) * (size_t)N);
+    m->down = malloc(sizeof(gemm_job) * (size_t)N);
+    if (!m->count || !m->start || !m->order || !m->pos || !m->xg || !m->h || !m->act ||
+        !m->y || !m->gate_up || !m->down)
+        return -4;
+    for (int64_t p = 0; p < P; p++) {
+        if (ids[p] < 0 || ids[p] >= N) return -5;
+        m->count[ids[p]]++;
+    }
+    m->start[0] = 0;
+    for (int64_t e = 0; e < N; e++) {
+        m->start[e + 1] = m->start[e] + m->count[e];
+        if (m->count[e] > m->most_rows) m->most_rows = m->count[e];
+    }
+    for (int64_t p = 0; p < P; p++) m->order[m->start[ids[p]] + --m->count[ids[p]]] = p;
+    for (int64_t e = 0; e < N; e++) {          /* the fill above reversed each group */
+        m->count[e] = m->start[e + 1] - m->start[e];
+        for (int64_t i = 0, j = m->count[e] - 1; i < j; i++, j--) {
+            const int64_t tmp = m->order[m->start[e] + i];
+            m->order[m->start[e] + i] = m->order[m->start[e] + j];
+            m->order[m->start[e] + j] = tmp;
+        }
+    }
+    for (int64_t i = 0; i < P; i++) m->pos[m->order[i]] = i;
+    return 0;
+}
+
+static void moe_jobs(moe_space *m, int64_t N, int64_t I, int64_t H, const uint8_t *gu,
+                     int64_t gu_stride, const uint8_t *dn, int64_t d_stride) {
+    for (int64_t e = 0; e < N; e++) {
+        if (m->count[e] == 0) continue;
+        const int64_t r0 = m->start[e];
+        m->gate_up[m->active] = (gemm_job){gu + e * gu_stride, r0, m->count[e], m->h + r0 * 2 * I};
+        m->down[m->active++] = (gemm_job){dn + e * d_stride, r0, m->count[e], m->y + r0 * H};
+    }
+}
+
+/* out[t] = its experts' tw[t, s] * down_e(SiLU(gate_e x_t) * up_e x_t), added in float32 in
+ * ascending expert order (a token's bits depend on its own experts only). */
+static void moe_combine(const moe_space *m, const int64_t *ids, const float *tw, int64_t T,
+                        int64_t top_k, int64_t H, float *out) {
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        int64_t slots[64];
+        const int64_t k = top_k < 64 ? top_k : 64;
+        for (int64_t s = 0; s < k; s++) {    /* insertion sort of the slots by expert */
+            int64_t i = s;
+            for (; i > 0 && ids[t * top_k + slots[i - 1]] > ids[t * top_k + s]; i--)
+                slots[i] = slots[i - 1];
+            slots[i] = s;
+        }
+        float *o = out + t * H;
+        for (int64_t i = 0; i < H; i++) o[i] = 0.0f;
+        for (int64_t s = 0; s < k; s++) {
+            const float w = tw[t * top_k + slots[s]];
+            const float *y = m->y + m->pos[t * top_k + slots[s]] * H;
+            for (int64_t i = 0; i < H; i++) o[i] = o[i] + y[i] * w;
+        }
+    }
+}
+
+/* One call of specmoe_gguf_moe (its arguments, see there). */
+typedef struct {
+    const float *x;
+    const int64_t *ids;
+    const float *tw;
+    int64_t T, top_k, H, I, N;
+    type_info tg, td;
+    const uint8_t *gu, *dn;
+    int64_t gu_stride, gu_row_bytes, d_stride, d_row_bytes;
+    float *out;
+} moe_call;
+
+/* The steps of specmoe_gguf_moe in one parallel region; returns 1 when out of memory. */
+static int moe_team(const moe_call *c, const moe_space *m, const acts *a1, const acts *a2,
+                    int num_threads) {
+    const int64_t P = c->T * c->top_k, H = c->H, I = c->I;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads)
+    {
+        canon c1[NC], c2[NC];
+        const int unpack = m->most_rows > DIRECT_ROWS;
+        void *mem1 = unpack ? canons_alloc(c1, H, (int)a1->B, c->tg.is_signed) : c1;
+        void *mem2 = unpack ? canons_alloc(c2, I, (int)a2->B, c->td.is_signed) : c2;
+#pragma omp atomic update
+        failed += mem1 == NULL || mem2 == NULL;
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < P; i++)
+                memcpy(m->xg + i * H, c->x + m->order[i] / c->top_k * H, sizeof(float) * (size_t)H);
+            quantize_team(m->xg, H, P, H, a1);
+            gemm_team(&c->tg, c->gu_row_bytes, 2 * I, H, a1, m->gate_up, m->active, 2 * I, c1);
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < P; i++)
+                for (int64_t j = 0; j < I; j++) {
+                    const float g = m->h[i * 2 * I + j];
+                    m->act[i * I + j] = g / (1.0f + expf(-g)) * m->h[i * 2 * I + I + j];
+                }
+            quantize_team(m->act, I, P, I, a2);
+            gemm_team(&c->td, c->d_row_bytes, H, I, a2, m->down, m->active, H, c2);
+            moe_combine(m, c->ids, c->tw, c->T, c->top_k, H, c->out);
+        }
+        if (mem1 != c1) free(mem1);
+        if (mem2 != c2) free(mem2);
+    }
+    return failed != 0;
+}
+
+/* A MoE layer's routed SwiGLU experts: x [T, H] float32, ids and tw [T, top_k] (int64
+ * expert ids, float32 weights), gate and up joined per expert as one stack (`gu`: expert e
+ * at gu + e * gu_stride, [2I, H] blocks of gu_type, gate rows first), down likewise
+ * [H, I] of d_type; out [T, H] float32. Each expert's rows are multiplied as by
+ * specmoe_gguf_gemm (same bits), SiLU(gate) * up in float32 (g / (1 + e^-g) * u).
+ * Returns 0, the errors of specmoe_gguf_gemm, -5 an expert id outside [0, N), -6 top_k
+ * above 64. */
+int specmoe_gguf_moe(const float *x, int64_t T, int64_t H, const int64_t *ids,
+                     const float *tw, int64_t top_k, int gu_type, const uint8_t *gu,
+                     int64_t gu_stride, int64_t gu_row_bytes, int d_type, const uint8_t *dn,
+                     int64_t d_stride, int64_t d_row_bytes, int64_t N, int64_t I, float *out,
+                     int num_threads) {
+    moe_call c = {x, ids, tw, T, top_k, H, I, N, {0}, {0}, gu, dn, gu_stride, gu_row_bytes,
+                  d_stride, d_row_bytes, out};
+    int err = check(gu_type, &c.tg, gu_row_bytes, H);
+    if (!err) err = check(d_type, &c.td, d_row_bytes, I);
+    if (err) return err;
+    if (top_k > 64) return -6;
+    moe_space m;
+    acts a1 = {0}, a2 = {0};
+    err = moe_plan(&m, ids, T * top_k, N, H, I);
+    if (!err) err = acts_alloc(&a1, T * top_k, H, c.tg.block);
+    if (!err) err = acts_alloc(&a2, T * top_k, I, c.td.block);
+    if (!err) {
+        moe_jobs(&m, N, I, H, gu, gu_stride, dn, d_stride);
+        if (moe_team(&c, &m, &a1, &a2, num_threads)) err = -4;
+    }
+    moe_free(&m);
+    acts_free(&a1);
+    acts_free(&a2);
+    return err;
 }

@@ -34,7 +34,7 @@ Q = gguf.GGMLQuantizationType
 NATIVE_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 _REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 _ERRORS = {-1: "unknown type", -2: "k is not a multiple of the block",
-           -3: "row_bytes does not match k", -4: "out of memory"}
+           -3: "row_bytes does not match k", -4: "out of memory", -6: "top_k above 64"}
 
 
 def load_kernel():
@@ -51,7 +51,10 @@ def load_kernel():
                                       i64, ctypes.c_int]
     lib.specmoe_gguf_dequant_rows.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr,
                                               ctypes.c_int]
+    lib.specmoe_gguf_moe.argtypes = [ptr, i64, i64, ptr, ptr, i64, ctypes.c_int, ptr, i64, i64,
+                                     ctypes.c_int, ptr, i64, i64, i64, i64, ptr, ctypes.c_int]
     lib.specmoe_gguf_gemm.restype = lib.specmoe_gguf_dequant_rows.restype = ctypes.c_int
+    lib.specmoe_gguf_moe.restype = ctypes.c_int
     return lib
 
 
@@ -168,6 +171,36 @@ class GGUFWeight:
         dequantize_reference(W)^T in float32."""
         w = dequantize_reference(self).to(x.device)
         return F.linear(quantize_activations(x, activation_block(self.ggml_type)), w)
+
+
+def try_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+            gate_up: GGUFWeight, down: GGUFWeight) -> torch.Tensor | None:
+    """A MoE layer's routed SwiGLU experts in one kernel call, or None where it does not
+    apply (kernel unavailable, not CPU). gate_up: stack [N, 2I, H] (gate rows first);
+    down: stack [N, H, I]; x [T, H]; topk_ids [T, k] int64; topk_weights [T, k]. Returns
+    float32 [T, H]: per token, its experts' weighted outputs added in float32 in ascending
+    expert order; each product as `GGUFWeight.matmul` computes it.
+
+    Raises:
+        IndexError: an expert id outside [0, N).
+    """
+    lib = kernel()
+    if lib is None or not x.is_cpu or gate_up.blocks.dim() != 3:
+        return None
+    xf = x.to(torch.float32).contiguous()
+    ids = topk_ids.to(torch.int64).contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
+    out = torch.empty(xf.shape, dtype=torch.float32)
+    gu, dn = gate_up.blocks, down.blocks
+    code = lib.specmoe_gguf_moe(
+        xf.data_ptr(), xf.shape[0], xf.shape[1], ids.data_ptr(), weights.data_ptr(),
+        ids.shape[1], int(gate_up.ggml_type), gu.data_ptr(), gu.stride(0), gu.stride(1),
+        int(down.ggml_type), dn.data_ptr(), dn.stride(0), dn.stride(1), gu.shape[0],
+        down.in_features, out.data_ptr(), torch.get_num_threads())
+    if code == -5:
+        raise IndexError(f"expert ids must lie in [0, {gu.shape[0]})")
+    _check(code)
+    return out
 
 
 def activation_block(ggml_type: int) -> int:

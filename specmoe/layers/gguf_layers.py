@@ -23,6 +23,7 @@ from specmoe.kernels.gguf_gemm import (
     activation_block,
     dequantize_reference,
     quantize_activations,
+    try_moe,
 )
 
 
@@ -121,12 +122,12 @@ class GGUFRoutedExperts(nn.Module):
     of one type are joined into one stack [N, 2I, H] (one kernel call per expert).
 
     Forward: the (token, slot) pairs grouped by expert, then per active expert its rows
-    through the block kernel for gate and up (one view of the stack each, the expert's
-    blocks read once for all its rows), SiLU(gate) * up in float32, the kernel for down,
-    each row weighted by its top-k weight in float32 and added to its token in ascending
-    expert order (a token's sum depends on its own experts only), rounded once to x's
-    dtype. Every backend name runs this (`set_moe_backend`); `forward_reference` is the
-    per-token plain-torch oracle.
+    through the block kernel for gate and up (the expert's blocks read once for all its
+    rows), SiLU(gate) * up in float32, the kernel for down, each row weighted by its top-k
+    weight in float32 and added to its token in ascending expert order (a token's sum
+    depends on its own experts only), rounded once to x's dtype: the whole layer in one
+    kernel call (`gguf_gemm.try_moe`), or `forward_loop` in Python. Every backend name runs
+    this (`set_moe_backend`); `forward_reference` is the per-token plain-torch oracle.
     """
 
     def __init__(self, gate: GGUFWeight, up: GGUFWeight, down: GGUFWeight) -> None:
@@ -157,11 +158,24 @@ class GGUFRoutedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
                 ) -> torch.Tensor:
-        """x [T, H]; topk_ids [T, k] int64; topk_weights [T, k]. Returns [T, H] in x's dtype.
+        """x [T, H]; topk_ids [T, k] int64; topk_weights [T, k]. Returns [T, H] in x's dtype:
+        one kernel call for the layer (`gguf_gemm.try_moe`) where gate and up share a type
+        and the kernel runs, else `forward_loop`.
 
         Raises:
             IndexError: an expert id outside [0, N).
         """
+        gate_up, down = self._weights()
+        if len(gate_up) == 1 and x.shape[0]:
+            out = try_moe(x, topk_ids, topk_weights, gate_up[0], down)
+            if out is not None:
+                return out.to(x.dtype)
+        return self.forward_loop(x, topk_ids, topk_weights)
+
+    def forward_loop(self, x: torch.Tensor, topk_ids: torch.Tensor,
+                     topk_weights: torch.Tensor) -> torch.Tensor:
+        """`forward` as a loop over the active experts (the block kernel per projection,
+        SiLU in torch): the same sums as the one call up to SiLU's rounding."""
         flat = topk_ids.reshape(-1)
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_experts):
             raise IndexError(f"expert ids must lie in [0, {self.num_experts})")

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specmoe.kernels.attention import try_attention_bf16
+from specmoe.kernels.attention import try_attention_bf16, try_attention_f32
 
 # Sequences with at most this many query tokens are attended in the padded decode batch.
 MAX_DECODE_QUERY = 16
@@ -284,8 +284,9 @@ def paged_attention(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]
     """
     num_tokens, num_heads, head_dim = q.shape
     out = q.new_empty(num_tokens, num_heads * head_dim)
-    if try_attention_bf16(q, kv_cache, meta.sequences, scale, meta.sliding_window, out):
-        return out
+    for kernel in (try_attention_bf16, try_attention_f32):
+        if kernel(q, kv_cache, meta.sequences, scale, meta.sliding_window, out):
+            return out
     for group in meta.decodes:
         out[group.token_index] = _attend_decode(q, kv_cache, group, scale)
     for seq in meta.prefills:

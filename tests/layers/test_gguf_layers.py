@@ -63,5 +63,11 @@ def test_experts_match_their_reference(up_type):
     # boundary there, changing an output by one step of that rounding
     torch.testing.assert_close(got, ref, rtol=1e-3, atol=2e-3 * ref.abs().max().item())
     assert torch.equal(experts(x[3:4], ids[3:4], weights[3:4]), got[3:4])
+    loop = experts.forward_loop(x, ids, weights)  # the same sums but torch's SiLU
+    torch.testing.assert_close(got, loop, rtol=1e-3, atol=2e-3 * ref.abs().max().item())
+    many = torch.randint(0, 6, (40, 2))  # several rows per expert: the unpacked form
+    many[:, 1] = (many[:, 0] + 1) % 6
+    xs, ws = torch.randn(40, hidden), torch.rand(40, 2)
+    assert torch.equal(experts(xs, many, ws)[17:18], experts(xs[17:18], many[17:18], ws[17:18]))
     with pytest.raises(IndexError, match=r"\[0, 6\)"):
         experts(x[:1], torch.tensor([[0, 6]]), weights[:1])

@@ -164,3 +164,53 @@ def test_native_kernel_rows_are_batch_invariant_bit_for_bit(window, num_heads, n
                 sliding_window=window), scale)
             assert torch.equal(alone[0].view(torch.int16), together[row].view(torch.int16)), (s, r)
             row += 1
+
+
+def _require_f32_kernel():
+    from specmoe.kernels import attention, gemv
+    from specmoe.kernels.build import cpu_reason
+    if attention._lazy_f32.get() is None:
+        if cpu_reason(("avx2", "fma")) is None and gemv.is_enabled():
+            pytest.fail(f"float32 attention kernel did not build: {attention._lazy_f32.unavailable}")
+        pytest.skip(f"float32 attention kernel unavailable: {attention._lazy_f32.unavailable}")
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 16), (12, 2, 128),
+                                                             (9, 3, 64), (6, 2, 8)])
+def test_float32_kernel_matches_per_sequence_attention(num_heads, num_kv_heads, head_dim,
+                                                       window, kernels_off):
+    """float32: the AVX2 kernel against per-sequence fp32 SDPA and the torch path, prefill,
+    verification and decode rows in one call, sliding window included."""
+    _require_f32_kernel()
+    shapes = SHAPES + [(130, 8), (0, 33)]
+    seqs, q, cache, hist = _setup(num_heads, num_kv_heads, torch.float32, 6, head_dim, shapes)
+    scale = head_dim ** -0.5
+    meta = AttentionMetadata.build(seqs, BLOCK_SIZE, "cpu", sliding_window=window)
+    out = paged_attention(q, cache, meta, scale)
+    assert meta._torch_path is None
+    torch.testing.assert_close(out, _per_sequence(seqs, q, hist, scale, window),
+                               atol=1e-5, rtol=1e-5)
+    with kernels_off():
+        torch.testing.assert_close(out, paged_attention(q, cache, meta, scale),
+                                   atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 37])
+def test_float32_kernel_rows_are_batch_invariant_bit_for_bit(window):
+    """Each float32 row has the bits it gets alone at its own position, whatever shares the
+    forward: greedy speculation on a float32 target equals plain decoding."""
+    _require_f32_kernel()
+    shapes = [(0, 20), (117, 5), (140, 1), (3, 9), (60, 16)]
+    seqs, q, cache, _ = _setup(12, 2, torch.float32, 7, 64, shapes, 16)
+    scale = 64 ** -0.5
+    together = paged_attention(q, cache, AttentionMetadata.build(
+        seqs, 16, "cpu", sliding_window=window), scale)
+    row = 0
+    for s in seqs:
+        for r in range(s.num_tokens):
+            alone = paged_attention(q[row:row + 1], cache, AttentionMetadata.build(
+                [SequenceSlice(s.start_pos + r, 1, s.block_ids)], 16, "cpu",
+                sliding_window=window), scale)
+            assert torch.equal(alone[0].view(torch.int32), together[row].view(torch.int32))
+            row += 1

@@ -10,7 +10,7 @@ T=$M/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 D=$M/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 PY=${PY:-python}
 export SPECMOE_KV_CACHE_SPACE=0.5
-runs=("decode.py $T gguf" "llama_cpp.py $T" "decode.py $T gguf $D 4" "llama_cpp.py $T lookup"
+runs=("decode.py $T gguf" "peer_llama.py $T" "decode.py $T gguf $D 4" "peer_llama.py $T lookup"
       "decode.py $T gguf ngram 4" "decode.py $T none")
 for rep in 1 2; do
   order=("${runs[@]}")

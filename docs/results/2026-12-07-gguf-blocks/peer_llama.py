@@ -1,7 +1,7 @@
 """llama.cpp (llama-cpp-python, `make peers`) on the same prompts as decode.py, one fresh
 process: load time, peak RSS, greedy decode tok/s, plain or with prompt lookup.
 
-    python llama_cpp.py TARGET.gguf [lookup]
+    python peer_llama.py TARGET.gguf [lookup]
 """
 import hashlib
 import json
