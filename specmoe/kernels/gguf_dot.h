@@ -1,6 +1,6 @@
 /* Dot products of GGUF weight rows with activation rows quantised to int8, for
- * `gguf_gemm.c` (the arithmetic of llama.cpp's AVX2 `ggml_vec_dot_*` kernels, written anew,
- * in two forms that give the same bits).
+ * `gguf_gemm.c` (the arithmetic of llama.cpp's AVX2 `ggml_vec_dot_*` kernels, written
+ * anew).
  *
  * Activations: per block of B inputs (B = 32 for the 32-weight types, 256 for the K-quants)
  * a float scale dx = max|x| / 127 and q = round-half-even(x / dx) in [-127, 127]; per 16
@@ -10,14 +10,14 @@
  * (B inputs) and group g (16 inputs): u unsigned bytes (Q8_0: |q|, its signs applied to
  * the activations), sc and mi small integers (a K-quant's sub-block scales and minima or
  * Q6_K's scales; 1 otherwise), dw and oc the block's float scale and offset coefficient
- * (Q4_0: d, 8 d; Q4_1: d, -m; Q4_K: d, dmin; Q6_K: d, 32 d; ...). Per block, the integer
- * sum over its 32-input chunks of madd(maddubs(u, q), sc) (exact) is scaled by dw dx and
- * added to 8 float lanes; the offset's integer sum of mi s16 is scaled by oc dx and
- * subtracted from one float, block after block. The float operations and their order
- * depend on k only, never on the number of rows, and are the same in both forms:
- *   - `dot_*` read a row's blocks directly (one activation row: least work);
- *   - `unpack_row` then `dot_canon` unpack a weight row once for many activation rows.
- * So a row's result has the same bits whichever form and whatever the batch.
+ * (Q4_0: d, 8 d; Q4_1: d, -m; Q4_K: d, dmin; Q6_K: d, 32 d; ...). `dot_*` read a weight
+ * row's blocks as stored: per block, the integer sum over its 32-input chunks of
+ * madd(maddubs(u, q), sc) (exact) is scaled by dw dx and added to 8 float lanes; the
+ * offset's integer sum of mi s16 is scaled by oc dx and subtracted from one float, block
+ * after block (the 32-weight types: even and odd blocks into two such pairs). The float operations and their order depend on k only, never on the number
+ * of rows, so a row's result has the same bits whatever the batch. (Unpacking a weight row
+ * once for several activation rows was measured no faster on AVX2: the per-row integer
+ * products, not the unpacking, set the cost.)
  */
 #ifndef SPECMOE_GGUF_DOT_H
 #define SPECMOE_GGUF_DOT_H
@@ -132,20 +132,36 @@ legacy_block(const int kind, const uint8_t *w, float *dw, float *oc, __m256i *q)
     }
 }
 
+static inline __attribute__((always_inline)) void
+legacy_terms(const int kind, const uint8_t *w, const int8_t *xq, float dx, int isum,
+             __m256 *acc, float *corr) {
+    const __m256i ones = sc_pair(1, 1);
+    float dw, oc;
+    __m256i q = _mm256_setzero_si256(), x = _mm256_loadu_si256((const __m256i *)xq);
+    const __m256i u = legacy_block(kind, w, &dw, &oc, &q);
+    if (kind == L_Q8_0) x = _mm256_sign_epi8(x, q);
+    block_terms(dw, oc, dx, dot32(u, x, ones), isum, acc, corr);
+}
+
+/* Even blocks add into (acc0, corr0), odd ones into (acc1, corr1): two independent chains,
+ * combined once at the end. */
 static inline __attribute__((always_inline)) float
 dot_legacy(const int kind, const int bytes, const uint8_t *w, const int8_t *xq,
            const float *xd, const int16_t *s16, int64_t k) {
-    const __m256i ones = sc_pair(1, 1);
-    __m256 acc = _mm256_setzero_ps();
-    float corr = 0.0f;
-    for (int64_t b = 0; b < k / 32; b++, w += bytes) {
-        float dw, oc;
-        __m256i q = _mm256_setzero_si256(), x = _mm256_loadu_si256((const __m256i *)(xq + 32 * b));
-        const __m256i u = legacy_block(kind, w, &dw, &oc, &q);
-        if (kind == L_Q8_0) x = _mm256_sign_epi8(x, q);
-        block_terms(dw, oc, xd[b], dot32(u, x, ones), s16[2 * b] + s16[2 * b + 1], &acc, &corr);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float corr0 = 0.0f, corr1 = 0.0f;
+    const int64_t nb = k / 32;
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        legacy_terms(kind, w + b * bytes, xq + 32 * b, xd[b], s16[2 * b] + s16[2 * b + 1],
+                     &acc0, &corr0);
+        legacy_terms(kind, w + (b + 1) * bytes, xq + 32 * (b + 1), xd[b + 1],
+                     s16[2 * b + 2] + s16[2 * b + 3], &acc1, &corr1);
     }
-    return hsum_ps(acc) + corr;
+    if (b < nb)
+        legacy_terms(kind, w + b * bytes, xq + 32 * b, xd[b], s16[2 * b] + s16[2 * b + 1],
+                     &acc0, &corr0);
+    return hsum_ps(_mm256_add_ps(acc0, acc1)) + (corr0 + corr1);
 }
 
 /* ---- super-blocks of 256 --------------------------------------------------------------- */
@@ -254,93 +270,5 @@ DOT_ROW(dot_q5_1, dot_legacy(L_Q5_1, 24, w, xq, xd, s16, k))
 DOT_ROW(dot_q8_0, dot_legacy(L_Q8_0, 34, w, xq, xd, s16, k))
 DOT_ROW(dot_q4_k, dot_k45(0, 144, w, xq, xd, s16, k))
 DOT_ROW(dot_q5_k, dot_k45(1, 176, w, xq, xd, s16, k))
-
-/* ---- the unpacked form, for many activation rows --------------------------------------- */
-
-/* u [k], sc [k / 32] (16 int16 each: 8 lanes for a chunk's first 16 inputs, 8 for the
- * next), sgn [k] (Q8_0's signed q), dw and oc [k / B], mi [k / 16]. */
-typedef struct {
-    uint8_t *u;
-    __m256i *sc;
-    int8_t *sgn;
-    float *dw, *oc;
-    int16_t *mi;
-    int B, is_signed;
-} canon;
-
-static inline void put(canon *c, int64_t chunk, __m256i u, int sc0, int sc1, int mi0, int mi1) {
-    _mm256_storeu_si256((__m256i *)(c->u + 32 * chunk), u);
-    c->sc[chunk] = sc_pair(sc0, sc1);
-    c->mi[2 * chunk] = (int16_t)mi0;
-    c->mi[2 * chunk + 1] = (int16_t)mi1;
-}
-
-static inline __attribute__((always_inline)) void
-unpack_legacy(const int kind, const int bytes, const uint8_t *w, int64_t k, canon *c) {
-    for (int64_t b = 0; b < k / 32; b++, w += bytes) {
-        __m256i q = _mm256_setzero_si256();
-        put(c, b, legacy_block(kind, w, &c->dw[b], &c->oc[b], &q), 1, 1, 1, 1);
-        if (kind == L_Q8_0) _mm256_storeu_si256((__m256i *)(c->sgn + 32 * b), q);
-    }
-}
-
-static inline __attribute__((always_inline)) void
-unpack_k45(const int five, const int bytes, const uint8_t *w, int64_t k, canon *c) {
-    for (int64_t i = 0; i < k / 256; i++, w += bytes) {
-        for (int j = 0; j < 8; j++) {
-            int sc, m;
-            const __m256i u = k45_sub(five, w, j, &sc, &m);
-            put(c, 8 * i + j, u, sc, sc, m, m);
-        }
-        c->dw[i] = half(w);
-        c->oc[i] = half(w + 2);
-    }
-}
-
-static void unpack_q6_k(const uint8_t *w, int64_t k, canon *c) {
-    for (int64_t i = 0; i < k / 256; i++, w += 210) {
-        const int8_t *sc = (const int8_t *)(w + 192);
-        for (int ch = 0; ch < 8; ch++)
-            put(c, 8 * i + ch, q6_chunk(w, ch), sc[2 * ch], sc[2 * ch + 1], sc[2 * ch], sc[2 * ch + 1]);
-        c->dw[i] = half(w + 208);
-        c->oc[i] = 32.0f * c->dw[i];
-    }
-}
-
-#define UNPACK_ROW(name, call)                                                             \
-    static void name(const uint8_t *w, int64_t k, canon *c) { call; }
-UNPACK_ROW(unpack_q4_0, unpack_legacy(L_Q4_0, 18, w, k, c))
-UNPACK_ROW(unpack_q4_1, unpack_legacy(L_Q4_1, 20, w, k, c))
-UNPACK_ROW(unpack_q5_0, unpack_legacy(L_Q5_0, 22, w, k, c))
-UNPACK_ROW(unpack_q5_1, unpack_legacy(L_Q5_1, 24, w, k, c))
-UNPACK_ROW(unpack_q8_0, unpack_legacy(L_Q8_0, 34, w, k, c))
-UNPACK_ROW(unpack_q4_k, unpack_k45(0, 144, w, k, c))
-UNPACK_ROW(unpack_q5_k, unpack_k45(1, 176, w, k, c))
-
-static inline __attribute__((always_inline)) float
-dot_canon_t(const int is_signed, const canon *c, const int8_t *xq, const float *xd,
-            const int16_t *s16, int64_t k) {
-    const int B = c->B;
-    __m256 acc = _mm256_setzero_ps();
-    float corr = 0.0f;
-    for (int64_t b0 = 0, b = 0; b0 < k; b0 += B, b++) {
-        __m256i sum = _mm256_setzero_si256();
-        int isum = 0;
-        for (int64_t e = b0; e < b0 + B; e += 32) {
-            __m256i x = _mm256_loadu_si256((const __m256i *)(xq + e));
-            if (is_signed) x = _mm256_sign_epi8(x, _mm256_loadu_si256((const __m256i *)(c->sgn + e)));
-            const __m256i u = _mm256_loadu_si256((const __m256i *)(c->u + e));
-            sum = _mm256_add_epi32(sum, dot32(u, x, c->sc[e / 32]));
-        }
-        for (int64_t g = b0 / 16; g < (b0 + B) / 16; g++) isum += c->mi[g] * s16[g];
-        block_terms(c->dw[b], c->oc[b], xd[b], sum, isum, &acc, &corr);
-    }
-    return hsum_ps(acc) + corr;
-}
-
-static float dot_canon(const canon *c, const int8_t *xq, const float *xd, const int16_t *s16,
-                       int64_t k) {
-    return c->is_signed ? dot_canon_t(1, c, xq, xd, s16, k) : dot_canon_t(0, c, xq, xd, s16, k);
-}
 
 #endif

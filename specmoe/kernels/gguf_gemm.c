@@ -9,8 +9,8 @@
  *
  * Products (`specmoe_gguf_gemm`): each activation row is quantised to int8 per block
  * (`gguf_dot.h` gives the method and its rounding), then every (row, weight row) pair is
- * one integer dot product over the file's blocks, read once per tile of NC weight rows for
- * all activation rows. Each output's summation order depends on k only: a row's bits are
+ * one integer dot product over the file's blocks (a tile of NC weight rows stays in cache
+ * for all activation rows). Each output's summation order depends on k only: a row's bits are
  * the same whatever the number of rows or threads (batch invariance).
  *
  * Lookups (`specmoe_gguf_dequant_rows`): rows decoded to float32 with exactly the numpy
@@ -31,7 +31,6 @@ enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
        T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };  /* ggml_type values */
 
 #define NC 4           /* weight rows per tile */
-#define DIRECT_ROWS 2  /* up to this many activation rows, dot products read the blocks */
 
 static inline uint32_t load_u32(const uint8_t *p) {
     uint32_t v;
@@ -183,27 +182,24 @@ typedef void (*dq_block)(const uint8_t *, float *);
 
 typedef float (*dot_fn)(const uint8_t *, const int8_t *, const float *, const int16_t *,
                        int64_t);
-typedef void (*unpack_fn)(const uint8_t *, int64_t, canon *);
 
 typedef struct {
     int block;        /* weights per block */
     int bytes;        /* bytes per block */
     dq_block decode;
     dot_fn dot;
-    unpack_fn unpack;
-    int is_signed;    /* Q8_0: |q| with signs applied to the activations */
 } type_info;
 
 static int type_of(int type, type_info *t) {
     switch (type) {
-    case T_Q4_0: *t = (type_info){32, 18, dq_q4_0, dot_q4_0, unpack_q4_0, 0}; return 0;
-    case T_Q4_1: *t = (type_info){32, 20, dq_q4_1, dot_q4_1, unpack_q4_1, 0}; return 0;
-    case T_Q5_0: *t = (type_info){32, 22, dq_q5_0, dot_q5_0, unpack_q5_0, 0}; return 0;
-    case T_Q5_1: *t = (type_info){32, 24, dq_q5_1, dot_q5_1, unpack_q5_1, 0}; return 0;
-    case T_Q8_0: *t = (type_info){32, 34, dq_q8_0, dot_q8_0, unpack_q8_0, 1}; return 0;
-    case T_Q4_K: *t = (type_info){256, 144, dq_q4_k, dot_q4_k, unpack_q4_k, 0}; return 0;
-    case T_Q5_K: *t = (type_info){256, 176, dq_q5_k, dot_q5_k, unpack_q5_k, 0}; return 0;
-    case T_Q6_K: *t = (type_info){256, 210, dq_q6_k, dot_q6_k, unpack_q6_k, 0}; return 0;
+    case T_Q4_0: *t = (type_info){32, 18, dq_q4_0, dot_q4_0}; return 0;
+    case T_Q4_1: *t = (type_info){32, 20, dq_q4_1, dot_q4_1}; return 0;
+    case T_Q5_0: *t = (type_info){32, 22, dq_q5_0, dot_q5_0}; return 0;
+    case T_Q5_1: *t = (type_info){32, 24, dq_q5_1, dot_q5_1}; return 0;
+    case T_Q8_0: *t = (type_info){32, 34, dq_q8_0, dot_q8_0}; return 0;
+    case T_Q4_K: *t = (type_info){256, 144, dq_q4_k, dot_q4_k}; return 0;
+    case T_Q5_K: *t = (type_info){256, 176, dq_q5_k, dot_q5_k}; return 0;
+    case T_Q6_K: *t = (type_info){256, 210, dq_q6_k, dot_q6_k}; return 0;
     default: return -1;
     }
 }
@@ -246,40 +242,16 @@ static void acts_free(acts *a) {
     free(a->s16);
 }
 
-/* NC unpacked weight rows of k inputs in one allocation (NULL when out of memory). */
-static void *canons_alloc(canon c[NC], int64_t k, int B, int is_signed) {
-    const size_t sc = sizeof(__m256i) * (size_t)(k / 32), u = (size_t)k;
-    const size_t blocks = sizeof(float) * (size_t)(k / B), mi = sizeof(int16_t) * (size_t)(k / 16);
-    const size_t one = (sc + 2 * u + 2 * blocks + mi + 31) / 32 * 32;
-    uint8_t *mem = aligned_alloc(32, one * NC);
-    if (mem == NULL) return NULL;
-    for (int j = 0; j < NC; j++) {
-        uint8_t *p = mem + one * j;
-        c[j] = (canon){.sc = (__m256i *)p, .u = p + sc, .sgn = (int8_t *)(p + sc + u),
-                       .dw = (float *)(p + sc + 2 * u), .oc = (float *)(p + sc + 2 * u + blocks),
-                       .mi = (int16_t *)(p + sc + 2 * u + 2 * blocks), .B = B,
-                       .is_signed = is_signed};
-    }
-    return mem;
-}
-
-/* Output rows [n0, n1) of y, each weight row read from its blocks for every activation row
- * (up to DIRECT_ROWS rows), or unpacked once and then dotted with every row: the same
- * bits either way (gguf_dot.h). */
+/* Output rows [n0, n1) of y: each (row, weight row) one dot product over the blocks, the
+ * tile's NC weight rows staying in cache for all activation rows. */
 static void gemm_tile(const type_info *t, const uint8_t *w, int64_t row_bytes, int64_t n0,
                       int64_t n1, int64_t k, const acts *a, int64_t rows, float *y,
-                      int64_t ldy, canon c[NC]) {
+                      int64_t ldy) {
     const int64_t nb = k / a->B;
-    if (rows > DIRECT_ROWS)
-        for (int64_t n = n0; n < n1; n++) t->unpack(w + n * row_bytes, k, &c[n - n0]);
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t n = n0; n < n1; n++) {
-            const int8_t *xq = a->q + r * k;
-            const float *xd = a->d + r * nb;
-            const int16_t *s16 = a->s16 + r * (k / 16);
-            y[r * ldy + n] = rows > DIRECT_ROWS ? dot_canon(&c[n - n0], xq, xd, s16, k)
-                                                : t->dot(w + n * row_bytes, xq, xd, s16, k);
-        }
+        for (int64_t n = n0; n < n1; n++)
+            y[r * ldy + n] = t->dot(w + n * row_bytes, a->q + r * k, a->d + r * nb,
+                                    a->s16 + r * (k / 16), k);
 }
 
 /* Quantise rows [0, rows) of x into a, inside a parallel region (a worksharing loop). */
@@ -299,11 +271,9 @@ typedef struct {
 } gemm_job;
 
 /* The jobs' products with weights of one type and shape, inside a parallel region: one
- * worksharing loop over every (job, tile of NC output rows). `c` is this thread's unpack
- * space (unused unless a job has more than DIRECT_ROWS rows). */
+ * worksharing loop over every (job, tile of NC output rows). */
 static void gemm_team(const type_info *t, int64_t row_bytes, int64_t n_out, int64_t k,
-                      const acts *a, const gemm_job *jobs, int64_t n_jobs, int64_t ldy,
-                      canon c[NC]) {
+                      const acts *a, const gemm_job *jobs, int64_t n_jobs, int64_t ldy) {
     const int64_t tiles = (n_out + NC - 1) / NC, nb = k / a->B;
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < n_jobs * tiles; item++) {
@@ -311,7 +281,7 @@ static void gemm_team(const type_info *t, int64_t row_bytes, int64_t n_out, int6
         const int64_t n0 = item % tiles * NC, n1 = n0 + NC < n_out ? n0 + NC : n_out;
         const acts rows = {a->q + j->first_row * k, a->d + j->first_row * nb,
                            a->s16 + j->first_row * (k / 16), a->B};
-        gemm_tile(t, j->w, row_bytes, n0, n1, k, &rows, j->rows, j->y, ldy, c);
+        gemm_tile(t, j->w, row_bytes, n0, n1, k, &rows, j->rows, j->y, ldy);
     }
 }
 
@@ -330,20 +300,13 @@ int specmoe_gguf_gemm(int type, const uint8_t *w, int64_t row_bytes, int64_t n_o
         return err;
     }
     const gemm_job job = {w, 0, rows, y};
-    int failed = 0;
 #pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads)
     {
-        canon c[NC];
-        void *mem = rows > DIRECT_ROWS ? canons_alloc(c, k, (int)a.B, t.is_signed) : c;
-#pragma omp atomic update
-        failed += mem == NULL;
-#pragma omp barrier
         quantize_team(x, ldx, rows, k, &a);
-        if (!failed) gemm_team(&t, row_bytes, n_out, k, &a, &job, 1, ldy, c);
-        if (mem != c) free(mem);
+        gemm_team(&t, row_bytes, n_out, k, &a, &job, 1, ldy);
     }
     acts_free(&a);
-    return failed ? -4 : 0;
+    return 0;
 }
 
 /* out [n_ids, k] float32 = rows ids[i] of W, dequantised (an embedding lookup).
@@ -365,7 +328,7 @@ typedef struct {
     int64_t *count, *start, *order, *pos;  /* per expert; pairs sorted by expert; inverse */
     float *xg, *h, *act, *y;               /* [P, H], [P, 2I], [P, I], [P, H] */
     gemm_job *gate_up, *down;              /* one per active expert */
-    int64_t active, most_rows;
+    int64_t active;
 } moe_space;
 
 static void moe_free(moe_space *m) {
@@ -399,7 +362,6 @@ static int moe_plan(moe_space *m, const int64_t *ids, int64_t P, int64_t N, int6
     m->start[0] = 0;
     for (int64_t e = 0; e < N; e++) {
         m->start[e + 1] = m->start[e] + m->count[e];
-        if (m->count[e] > m->most_rows) m->most_rows = m->count[e];
     }
     for (int64_t p = 0; p < P; p++) m->order[m->start[ids[p]] + --m->count[ids[p]]] = p;
     for (int64_t e = 0; e < N; e++) {          /* the fill above reversed each group */
@@ -460,40 +422,27 @@ typedef struct {
     float *out;
 } moe_call;
 
-/* The steps of specmoe_gguf_moe in one parallel region; returns 1 when out of memory. */
-static int moe_team(const moe_call *c, const moe_space *m, const acts *a1, const acts *a2,
-                    int num_threads) {
+/* The steps of specmoe_gguf_moe in one parallel region. */
+static void moe_team(const moe_call *c, const moe_space *m, const acts *a1, const acts *a2,
+                     int num_threads) {
     const int64_t P = c->T * c->top_k, H = c->H, I = c->I;
-    int failed = 0;
 #pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads)
     {
-        canon c1[NC], c2[NC];
-        const int unpack = m->most_rows > DIRECT_ROWS;
-        void *mem1 = unpack ? canons_alloc(c1, H, (int)a1->B, c->tg.is_signed) : c1;
-        void *mem2 = unpack ? canons_alloc(c2, I, (int)a2->B, c->td.is_signed) : c2;
-#pragma omp atomic update
-        failed += mem1 == NULL || mem2 == NULL;
-#pragma omp barrier
-        if (!failed) {
 #pragma omp for schedule(static)
-            for (int64_t i = 0; i < P; i++)
-                memcpy(m->xg + i * H, c->x + m->order[i] / c->top_k * H, sizeof(float) * (size_t)H);
-            quantize_team(m->xg, H, P, H, a1);
-            gemm_team(&c->tg, c->gu_row_bytes, 2 * I, H, a1, m->gate_up, m->active, 2 * I, c1);
+        for (int64_t i = 0; i < P; i++)
+            memcpy(m->xg + i * H, c->x + m->order[i] / c->top_k * H, sizeof(float) * (size_t)H);
+        quantize_team(m->xg, H, P, H, a1);
+        gemm_team(&c->tg, c->gu_row_bytes, 2 * I, H, a1, m->gate_up, m->active, 2 * I);
 #pragma omp for schedule(static)
-            for (int64_t i = 0; i < P; i++)
-                for (int64_t j = 0; j < I; j++) {
-                    const float g = m->h[i * 2 * I + j];
-                    m->act[i * I + j] = g / (1.0f + expf(-g)) * m->h[i * 2 * I + I + j];
-                }
-            quantize_team(m->act, I, P, I, a2);
-            gemm_team(&c->td, c->d_row_bytes, H, I, a2, m->down, m->active, H, c2);
-            moe_combine(m, c->ids, c->tw, c->T, c->top_k, H, c->out);
-        }
-        if (mem1 != c1) free(mem1);
-        if (mem2 != c2) free(mem2);
+        for (int64_t i = 0; i < P; i++)
+            for (int64_t j = 0; j < I; j++) {
+                const float g = m->h[i * 2 * I + j];
+                m->act[i * I + j] = g / (1.0f + expf(-g)) * m->h[i * 2 * I + I + j];
+            }
+        quantize_team(m->act, I, P, I, a2);
+        gemm_team(&c->td, c->d_row_bytes, H, I, a2, m->down, m->active, H);
+        moe_combine(m, c->ids, c->tw, c->T, c->top_k, H, c->out);
     }
-    return failed != 0;
 }
 
 /* A MoE layer's routed SwiGLU experts: x [T, H] float32, ids and tw [T, top_k] (int64
@@ -521,7 +470,7 @@ int specmoe_gguf_moe(const float *x, int64_t T, int64_t H, const int64_t *ids,
     if (!err) err = acts_alloc(&a2, T * top_k, I, c.td.block);
     if (!err) {
         moe_jobs(&m, N, I, H, gu, gu_stride, dn, d_stride);
-        if (moe_team(&c, &m, &a1, &a2, num_threads)) err = -4;
+        moe_team(&c, &m, &a1, &a2, num_threads);
     }
     moe_free(&m);
     acts_free(&a1);
