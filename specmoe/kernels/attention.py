@@ -70,15 +70,21 @@ def try_attention_bf16(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tens
         unavailable, or a dtype, device or shape it does not take (head_dim not a multiple
         of 16 or above 256). Raises nothing.
     """
+    return _run(_lazy, torch.bfloat16, q, kv_cache, seqs, scale, sliding_window, out)
+
+
+def _run(lazy: LazyKernel, dtype: torch.dtype, q: torch.Tensor,
+         kv_cache: tuple[torch.Tensor, torch.Tensor], seqs, scale: float,
+         sliding_window: int | None, out: torch.Tensor) -> bool:
+    """The checks and call both kernels share (`try_attention_bf16` gives the arguments)."""
     k_cache, v_cache = kv_cache
-    bf16 = torch.bfloat16
     if not gemv.is_enabled() or torch.is_grad_enabled() and q.requires_grad:
         return False
-    if not (q.is_cpu and k_cache.is_cpu and q.dtype is bf16 and k_cache.dtype is bf16
-            and v_cache.dtype is bf16 and out.dtype is bf16 and out.is_contiguous()
+    if not (q.is_cpu and k_cache.is_cpu and q.dtype is dtype and k_cache.dtype is dtype
+            and v_cache.dtype is dtype and out.dtype is dtype and out.is_contiguous()
             and k_cache.is_contiguous() and v_cache.is_contiguous()):
         return False
-    kernel = _lazy.get()
+    kernel = lazy.get()
     if kernel is None:
         return False
     q = q.contiguous()
@@ -116,23 +122,6 @@ def try_attention_f32(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tenso
     """`try_attention_bf16` for float32 queries, caches and output (head_dim a multiple of
     8): each (row, head) attends its own keys with sums in one order (see the C source).
     Returns False (nothing written) where it does not apply. Raises nothing."""
-    k_cache, v_cache = kv_cache
-    f32 = torch.float32
-    if not gemv.is_enabled() or torch.is_grad_enabled() and q.requires_grad:
+    if q.shape[2] % 8:
         return False
-    if not (q.is_cpu and k_cache.is_cpu and q.dtype is f32 and k_cache.dtype is f32
-            and v_cache.dtype is f32 and out.dtype is f32 and out.is_contiguous()
-            and k_cache.is_contiguous() and v_cache.is_contiguous() and q.shape[2] % 8 == 0):
-        return False
-    kernel = _lazy_f32.get()
-    if kernel is None:
-        return False
-    q = q.contiguous()
-    _, num_heads, head_dim = q.shape
-    t = seqs.block_tables
-    rc = kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-                seqs.row_start.data_ptr(), seqs.num_rows.data_ptr(),
-                seqs.start_pos.data_ptr(), t.data_ptr(), t.shape[0], t.shape[1],
-                seqs.block_size, num_heads, k_cache.shape[1], head_dim,
-                sliding_window or 0, scale, torch.get_num_threads())
-    return rc == 0
+    return _run(_lazy_f32, torch.float32, q, kv_cache, seqs, scale, sliding_window, out)

@@ -2,7 +2,8 @@
 # The Qwen2.5-Coder pair's Q4_K_M files (`specmoe models install qwen2.5-coder`): specmoe
 # with the files' blocks (plain, draft 0.5B, prompt lookup) and dequantised to float32,
 # against llama.cpp (plain, prompt lookup), each run a fresh process, the order reversed
-# in the second repetition. One JSON line per run.
+# in the second repetition (the float32 run, slow, in the first only); then Tt(1, T)/Tt(1, 1)
+# of the target in both engines. One JSON line per run.
 set -e
 cd "$(dirname "$0")"
 M=${SPECMOE_MODELS:-~/.cache/specmoe/models}
@@ -15,5 +16,10 @@ runs=("decode.py $T gguf" "peer_llama.py $T" "decode.py $T gguf $D 4" "peer_llam
 for rep in 1 2; do
   order=("${runs[@]}")
   if [ $rep = 2 ]; then order=(); for ((i=${#runs[@]}-1; i>=0; i--)); do order+=("${runs[$i]}"); done; fi
-  for r in "${order[@]}"; do $PY $r 2>/dev/null | tail -1; done
+  for r in "${order[@]}"; do
+    if [ $rep = 2 ] && [ "$r" = "decode.py $T none" ]; then continue; fi
+    $PY $r 2>/dev/null | tail -1
+  done
 done
+$PY verify_cost.py $T ours 2>/dev/null | tail -1
+$PY verify_cost.py $T llama.cpp 2>/dev/null | tail -1
