@@ -60,14 +60,16 @@ def _write(path, arch, shapes, types):
     return path
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen2moe"])
+@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen2moe"])
 def gguf_file(request, tmp_path_factory):
     if gguf_gemm.kernel() is None:
         pytest.skip(f"GGUF block kernel unavailable: {gguf_gemm._lazy.unavailable}")
     moe = request.param == "qwen2moe"
+    shapes = _moe_shapes() if moe else _dense_shapes()
+    if request.param == "llama":  # no attention biases
+        shapes = {name: shape for name, shape in shapes.items() if not name.endswith(".bias")}
     path = tmp_path_factory.mktemp("blocks") / f"{request.param}.gguf"
-    return _write(path, request.param, _moe_shapes() if moe else _dense_shapes(),
-                  _MOE_TYPES if moe else _DENSE_TYPES)
+    return _write(path, request.param, shapes, _MOE_TYPES if moe else _DENSE_TYPES)
 
 
 def test_the_file_blocks_are_what_the_model_holds(gguf_file):
@@ -77,7 +79,7 @@ def test_the_file_blocks_are_what_the_model_holds(gguf_file):
     qkv = model.layers[0].attn.qkv_proj
     assert isinstance(qkv, GGUFLinear)
     # the F32 shard (dense) beside blocks, or three block shards
-    assert (None in qkv.parts.types) == ("qwen2moe" not in gguf_file.name)
+    assert (None in qkv.parts.types) == ("qwen2moe" not in gguf_file.name)  # attn_v F32
     if "qwen2moe" in gguf_file.name:
         experts = model.layers[0].mlp.experts
         assert isinstance(experts, GGUFRoutedExperts)
