@@ -70,13 +70,14 @@ def try_attention_bf16(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tens
         unavailable, or a dtype, device or shape it does not take (head_dim not a multiple
         of 16 or above 256). Raises nothing.
     """
-    return _run(_lazy, torch.bfloat16, q, kv_cache, seqs, scale, sliding_window, out)
+    return _run(_lazy, torch.bfloat16, q, kv_cache, seqs, scale, sliding_window, out, ())
 
 
 def _run(lazy: LazyKernel, dtype: torch.dtype, q: torch.Tensor,
          kv_cache: tuple[torch.Tensor, torch.Tensor], seqs, scale: float,
-         sliding_window: int | None, out: torch.Tensor) -> bool:
-    """The checks and call both kernels share (`try_attention_bf16` gives the arguments)."""
+         sliding_window: int | None, out: torch.Tensor, extra: tuple) -> bool:
+    """The checks and call both kernels share (`try_attention_bf16` gives the arguments;
+    `extra` goes before the thread count)."""
     k_cache, v_cache = kv_cache
     if not gemv.is_enabled() or torch.is_grad_enabled() and q.requires_grad:
         return False
@@ -94,7 +95,7 @@ def _run(lazy: LazyKernel, dtype: torch.dtype, q: torch.Tensor,
                 seqs.row_start.data_ptr(), seqs.num_rows.data_ptr(),
                 seqs.start_pos.data_ptr(), t.data_ptr(), t.shape[0], t.shape[1],
                 seqs.block_size, num_heads, k_cache.shape[1], head_dim,
-                sliding_window or 0, scale, torch.get_num_threads())
+                sliding_window or 0, scale, *extra, torch.get_num_threads())
     return rc == 0
 
 
@@ -107,7 +108,8 @@ def load_kernel_f32():
         OSError: the built library cannot be loaded.
     """
     fn = load("attention_f32.c", cpu_flags=("avx2", "fma")).specmoe_attention_f32
-    fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7 + [ctypes.c_float,
+                                                                  ctypes.c_int64, ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn
 
@@ -117,11 +119,14 @@ _lazy_f32 = LazyKernel(load_kernel_f32, "float32 CPU attention kernel unavailabl
 
 
 def try_attention_f32(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                      seqs, scale: float, sliding_window: int | None,
-                      out: torch.Tensor) -> bool:
+                      seqs, scale: float, sliding_window: int | None, out: torch.Tensor,
+                      max_rows: int) -> bool:
     """`try_attention_bf16` for float32 queries, caches and output (head_dim a multiple of
-    8): each (row, head) attends its own keys with sums in one order (see the C source).
-    Returns False (nothing written) where it does not apply. Raises nothing."""
+    8), for the sequences of at most `max_rows` query rows only (decode, verification,
+    short chunks; the others' rows are left for the caller): each (row, head) attends its
+    own keys with sums in one order (see the C source). Returns False (nothing written)
+    where it does not apply. Raises nothing."""
     if q.shape[2] % 8:
         return False
-    return _run(_lazy_f32, torch.float32, q, kv_cache, seqs, scale, sliding_window, out)
+    return _run(_lazy_f32, torch.float32, q, kv_cache, seqs, scale, sliding_window, out,
+                (max_rows,))

@@ -70,6 +70,8 @@ static void attend_one(const float *q, const Keys *k, int64_t kvh, int64_t first
  * [num_tokens, num_heads * head_dim], all float32 contiguous; sequence i has num_rows[i]
  * query rows from row row_start[i], the first at position start_pos[i], and block table
  * block_tables[i] (max_blocks entries). window: attention window in tokens, 0 for none.
+ * Only sequences of at most max_rows query rows are attended (the others' rows are left
+ * untouched: long prefills run faster through the caller's fused attention).
  * Returns 0, or -1 for a head_dim that is not a multiple of 8, heads that do not group,
  * an empty sequence or no memory. */
 int specmoe_attention_f32(const float *q, const float *k_cache, const float *v_cache,
@@ -77,12 +79,12 @@ int specmoe_attention_f32(const float *q, const float *k_cache, const float *v_c
                           const int64_t *start_pos, const int64_t *block_tables,
                           int64_t num_seqs, int64_t max_blocks, int64_t block_size,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                          int64_t window, float scale, int num_threads) {
+                          int64_t window, float scale, int64_t max_rows, int num_threads) {
     if (head_dim % 8 || num_kv_heads < 1 || num_heads % num_kv_heads) return -1;
     int64_t units = 0, longest = 0;
     for (int64_t i = 0; i < num_seqs; i++) {
         if (num_rows[i] < 1) return -1;
-        units += num_rows[i] * num_heads;
+        if (num_rows[i] <= max_rows) units += num_rows[i] * num_heads;
         if (start_pos[i] + num_rows[i] > longest) longest = start_pos[i] + num_rows[i];
     }
     const int64_t group = num_heads / num_kv_heads;
@@ -98,7 +100,10 @@ int specmoe_attention_f32(const float *q, const float *k_cache, const float *v_c
         for (int64_t u = 0; u < units; u++) {
             if (s == NULL) continue;
             int64_t i = 0, rest = u;   /* unit u: sequence i, row r, head h */
-            while (rest >= num_rows[i] * num_heads) rest -= num_rows[i++] * num_heads;
+            while (num_rows[i] > max_rows || rest >= num_rows[i] * num_heads) {
+                if (num_rows[i] <= max_rows) rest -= num_rows[i] * num_heads;
+                i++;
+            }
             const int64_t r = rest / num_heads, h = rest % num_heads, row = row_start[i] + r;
             const int64_t pos = start_pos[i] + r;
             const int64_t first = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;

@@ -129,7 +129,8 @@ class AttentionMetadata:
     sliding_window: int | None
     _slices: list[SequenceSlice]
     _device: torch.device | str
-    _torch_path: tuple[list[DecodeGroup], list[PrefillSequence]] | None = None
+    _decodes: list[DecodeGroup] | None = None  # the plain-torch path's, built on first use
+    _prefills: list[PrefillSequence] | None = None
 
     @classmethod
     def build(cls, seqs: list[SequenceSlice], block_size: int, device: torch.device | str,
@@ -161,27 +162,25 @@ class AttentionMetadata:
     @property
     def decodes(self) -> list[DecodeGroup]:
         """The plain-torch path's padded batches of few-query sequences."""
-        return self._torch_groups()[0]
+        if self._decodes is None:
+            seqs, k = self._slices, self.sequences
+            small = [i for i, s in enumerate(seqs) if s.num_tokens <= MAX_DECODE_QUERY]
+            self._decodes = [
+                _decode_group(torch.tensor(group), k.start_pos, k.num_rows, k.row_start,
+                              k.block_tables, k.block_size, self.sliding_window, self._device)
+                for group in _length_groups(small, seqs)]
+        return self._decodes
 
     @property
     def prefills(self) -> list[PrefillSequence]:
         """The plain-torch path's many-query sequences."""
-        return self._torch_groups()[1]
-
-    def _torch_groups(self) -> tuple[list[DecodeGroup], list[PrefillSequence]]:
-        if self._torch_path is None:
-            seqs, device, k = self._slices, self._device, self.sequences
-            block_size = k.block_size
-            small = [i for i, s in enumerate(seqs) if s.num_tokens <= MAX_DECODE_QUERY]
-            large = [i for i, s in enumerate(seqs) if s.num_tokens > MAX_DECODE_QUERY]
-            decodes = [_decode_group(torch.tensor(group), k.start_pos, k.num_rows, k.row_start,
-                                     k.block_tables, block_size, self.sliding_window, device)
-                       for group in _length_groups(small, seqs)]
-            prefills = [_prefill_sequence(seqs[i], int(k.row_start[i]), k.block_tables[i],
-                                          block_size, self.sliding_window, device)
-                        for i in large]
-            self._torch_path = (decodes, prefills)
-        return self._torch_path
+        if self._prefills is None:
+            seqs, k = self._slices, self.sequences
+            self._prefills = [
+                _prefill_sequence(s, int(k.row_start[i]), k.block_tables[i], k.block_size,
+                                  self.sliding_window, self._device)
+                for i, s in enumerate(seqs) if s.num_tokens > MAX_DECODE_QUERY]
+        return self._prefills
 
 
 def _length_groups(indices: list[int], seqs: list[SequenceSlice]) -> list[list[int]]:
@@ -284,15 +283,24 @@ def paged_attention(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]
     """
     num_tokens, num_heads, head_dim = q.shape
     out = q.new_empty(num_tokens, num_heads * head_dim)
-    for kernel in (try_attention_bf16, try_attention_f32):
-        if kernel(q, kv_cache, meta.sequences, scale, meta.sliding_window, out):
-            return out
+    if try_attention_bf16(q, kv_cache, meta.sequences, scale, meta.sliding_window, out):
+        return out
+    if try_attention_f32(q, kv_cache, meta.sequences, scale, meta.sliding_window, out,
+                         MAX_DECODE_QUERY):  # the few-query sequences; prefills below
+        _attend_prefills(q, kv_cache, meta, scale, out)
+        return out
     for group in meta.decodes:
         out[group.token_index] = _attend_decode(q, kv_cache, group, scale)
+    _attend_prefills(q, kv_cache, meta, scale, out)
+    return out
+
+
+def _attend_prefills(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                     meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    """The many-query sequences' rows of `out`, by fused SDPA per sequence."""
     for seq in meta.prefills:
         rows = slice(seq.token_start, seq.token_start + seq.num_tokens)
         out[rows] = _attend_prefill(q[rows], kv_cache, seq, scale)
-    return out
 
 
 def _attend_decode(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],

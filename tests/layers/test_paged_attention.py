@@ -127,7 +127,7 @@ def test_native_kernel_attends_prefill_and_decode_rows_in_one_call(num_heads, nu
     scale = head_dim ** -0.5
     meta = AttentionMetadata.build(seqs, BLOCK_SIZE, "cpu", sliding_window=window)
     out = paged_attention(q, cache, meta, scale)
-    assert meta._torch_path is None  # the kernel served every row; no torch groups built
+    assert meta._decodes is None and meta._prefills is None  # the kernel served every row
     with kernels_off():
         torch_path = paged_attention(q, cache, meta, scale)
     assert len(meta.prefills) == 2 and len(meta.decodes) >= 1
@@ -188,7 +188,7 @@ def test_float32_kernel_matches_per_sequence_attention(num_heads, num_kv_heads, 
     scale = head_dim ** -0.5
     meta = AttentionMetadata.build(seqs, BLOCK_SIZE, "cpu", sliding_window=window)
     out = paged_attention(q, cache, meta, scale)
-    assert meta._torch_path is None
+    assert meta._decodes is None  # the kernel took the few-query sequences, SDPA the rest
     torch.testing.assert_close(out, _per_sequence(seqs, q, hist, scale, window),
                                atol=1e-5, rtol=1e-5)
     with kernels_off():
@@ -198,16 +198,17 @@ def test_float32_kernel_matches_per_sequence_attention(num_heads, num_kv_heads, 
 
 @pytest.mark.parametrize("window", [None, 37])
 def test_float32_kernel_rows_are_batch_invariant_bit_for_bit(window):
-    """Each float32 row has the bits it gets alone at its own position, whatever shares the
-    forward: greedy speculation on a float32 target equals plain decoding."""
+    """Each float32 row of a sequence of at most 16 query rows (decode, verification) has
+    the bits it gets alone at its own position, whatever shares the forward (a long
+    prefill included): greedy speculation on a float32 target equals plain decoding."""
     _require_f32_kernel()
-    shapes = [(0, 20), (117, 5), (140, 1), (3, 9), (60, 16)]
+    shapes = [(0, 12), (117, 5), (140, 1), (3, 9), (60, 16), (0, 40)]
     seqs, q, cache, _ = _setup(12, 2, torch.float32, 7, 64, shapes, 16)
     scale = 64 ** -0.5
     together = paged_attention(q, cache, AttentionMetadata.build(
         seqs, 16, "cpu", sliding_window=window), scale)
     row = 0
-    for s in seqs:
+    for s in seqs[:-1]:  # the last one, 40 rows, is a prefill for SDPA
         for r in range(s.num_tokens):
             alone = paged_attention(q[row:row + 1], cache, AttentionMetadata.build(
                 [SequenceSlice(s.start_pos + r, 1, s.block_ids)], 16, "cpu",
