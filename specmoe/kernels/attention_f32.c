@@ -13,7 +13,9 @@
  * bits whatever the batch (batch invariance, so greedy speculation equals plain decoding).
  *
  * The plain-torch reference is the torch path of specmoe/layers/paged_attention.py. Built
- * by specmoe/kernels/build.py (gcc -O3 -march=native -fopenmp).
+ * by specmoe/kernels/build.py (gcc -O3 -march=native -fopenmp). One unit per query row
+ * re-reads its keys: for long prefills torch's fused SDPA is faster, so the caller passes
+ * only few-query sequences (max_rows).
  */
 #include <immintrin.h>
 #include <math.h>
