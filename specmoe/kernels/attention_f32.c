@@ -22,12 +22,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+#include "avx2_sum.h"
 
 typedef struct {
     const float *k_cache, *v_cache;
@@ -51,7 +46,7 @@ static void attend_one(const float *q, const Keys *k, int64_t kvh, int64_t first
         __m256 acc = _mm256_setzero_ps();
         for (int64_t d = 0; d < hd; d += 8)
             acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kr + d), acc);
-        s[j] = scale * hsum8(acc);
+        s[j] = scale * hsum_ps(acc);
         m = s[j] > m ? s[j] : m;
     }
     float z = 0.0f;
