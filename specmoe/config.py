@@ -489,6 +489,9 @@ def batch_size_table_k(rows: tuple[tuple[int, int, int], ...], batch_size: int) 
     return next((k for lo, hi, k in rows if lo <= batch_size <= hi), 0)
 
 
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8")
+
+
 @dataclass
 class SchedulerConfig:
     """Continuous batching and KV cache settings.
@@ -504,10 +507,13 @@ class SchedulerConfig:
             (default: $SPECMOE_KV_CACHE_SPACE GiB if set, as vLLM's CPU backend reads
             VLLM_CPU_KVCACHE_SPACE, else 1 GiB; each engine allocates its own).
         enable_prefix_caching: requests sharing a prompt prefix reuse its full KV blocks.
+        kv_cache_dtype: the target's KV cache: "auto" (the model's dtype), "bfloat16",
+            "float32", or "int8" (one scale per token and KV head:
+            `specmoe.layers.int8_kv`; not for MLA models).
 
     Raises:
-        ValueError: a size that is not an int >= 1, or a $SPECMOE_KV_CACHE_SPACE that is not
-            a number of GiB > 0.
+        ValueError: a size that is not an int >= 1, a kv_cache_dtype not in
+            KV_CACHE_DTYPES, or a $SPECMOE_KV_CACHE_SPACE that is not a number of GiB > 0.
     """
 
     max_num_seqs: int = 64
@@ -516,8 +522,12 @@ class SchedulerConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int = field(default_factory=lambda: default_kv_cache_bytes())
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"invalid kv_cache_dtype={self.kv_cache_dtype!r}: must be one of "
+                             f"{KV_CACHE_DTYPES}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
                      "kv_cache_memory_bytes"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:

@@ -78,7 +78,8 @@ class EngineCore:
         self.proposer = proposer
         self.processor = processor
         self.policy = policy
-        self.kv_cache = target.new_paged_cache(num_kv_blocks, scheduler_config.block_size)
+        self.kv_cache = target.new_paged_cache(num_kv_blocks, scheduler_config.block_size,
+                                               scheduler_config.kv_cache_dtype)
         self.scheduler = Scheduler(scheduler_config, num_kv_blocks, target.max_model_len)
         self.stats = EngineStats()
         kernels = kernels or KernelConfig()

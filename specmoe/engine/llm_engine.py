@@ -26,7 +26,7 @@ from specmoe.sampling_params import SamplingParams
 from specmoe.spec_decode.factory import build_policy, build_proposer
 from specmoe.spec_decode.proposer import NoProposer
 from specmoe.worker.kernel_switches import KernelSwitches
-from specmoe.worker.kv_cache import PagedKVCache
+from specmoe.worker.kv_cache import PagedKVCache, kv_bytes_per_token
 from specmoe.worker.model_runner import ModelRunner
 
 PromptType = str | list[int]
@@ -51,6 +51,8 @@ class LLM:
             "gguf": a .gguf file's blocks kept at their own types (`ModelConfig`).
         scheduler: a SchedulerConfig or a dict of its fields (continuous batching limits and
             the KV cache size), e.g. {"max_num_seqs": 16}.
+        kv_cache_dtype: None (the scheduler's, default "auto"), or "auto", "bfloat16",
+            "float32", "int8": the target's KV cache (`SchedulerConfig.kv_cache_dtype`).
         moe_backend: how a MoE target's routed experts run ("auto", "fused",
             "grouped", "grouped_mm", "reference"; see `ModelConfig.moe_backend`).
         expert_parallel_size: N > 1 shards a MoE target's experts over N processes
@@ -85,11 +87,15 @@ class LLM:
                  expert_parallel_dispatch: str = "replicated",
                  expert_placement: str = "contiguous",
                  expert_parallel_timeout_s: float = 60.0,
-                 kernels: KernelConfig | dict | None = None) -> None:
+                 kernels: KernelConfig | dict | None = None,
+                 kv_cache_dtype: str | None = None) -> None:
         if isinstance(speculative, dict):
             speculative = SpeculativeConfig(**speculative)
         if isinstance(scheduler, dict):
             scheduler = SchedulerConfig(**scheduler)
+        if kv_cache_dtype is not None:
+            scheduler = dataclasses.replace(scheduler or SchedulerConfig(),
+                                            kv_cache_dtype=kv_cache_dtype)
         if isinstance(kernels, dict):
             kernels = KernelConfig(**kernels)
         ep = ExpertParallelConfig(expert_parallel_size, expert_parallel_dispatch,
@@ -214,6 +220,21 @@ class LLM:
         """
         self.engine.add_request(req, self._generator_for(req.params))
 
+    def kv_cache_summary(self) -> str:
+        """One line on the target's KV cache: its dtype, bytes per token over all layers, the
+        tokens it holds, and the longest context that `kv_cache_memory_bytes` would hold."""
+        sched, cache, arch = self.config.scheduler, self.engine.kv_cache, self.target.arch
+        per_token = kv_bytes_per_token(arch, cache.dtype)
+        tokens = cache.num_blocks * cache.block_size
+        at_memory = sched.kv_cache_memory_bytes // per_token
+        longest = self.target.max_model_len
+        return (f"KV cache: {sched.kv_cache_dtype} ({str(cache.dtype).removeprefix('torch.')}),"
+                f" {per_token} bytes per token over {arch.num_hidden_layers} layers; "
+                f"{cache.num_blocks} blocks of {cache.block_size} = {tokens} tokens in "
+                f"{cache.num_bytes / 2**30:.2f} GiB; {sched.kv_cache_memory_bytes / 2**30:.2f} "
+                f"GiB holds {at_memory} tokens (max context {min(at_memory, longest)} of the "
+                f"model's {longest})")
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached prompt prefix (as vLLM's `LLM.reset_prefix_cache`), so the next
         requests compute their prompts in full. Benchmarks call it so every run starts alike:
@@ -306,7 +327,8 @@ def _num_kv_blocks(cfg: SchedulerConfig, target: ModelRunner) -> int:
     at what max_num_seqs requests of max_model_len tokens need (`blocks_for_requests`)."""
     if cfg.num_kv_blocks is not None:
         return cfg.num_kv_blocks
-    per_block = PagedKVCache.bytes_per_block(target.arch, cfg.block_size, target.loaded.dtype)
+    per_block = PagedKVCache.bytes_per_block(target.arch, cfg.block_size,
+                                             target.kv_dtype(cfg.kv_cache_dtype))
     by_memory = cfg.kv_cache_memory_bytes // per_block
     needed = blocks_for_requests(cfg.max_num_seqs, target.max_model_len, cfg.block_size)
     return max(1, min(by_memory, needed))

@@ -8,8 +8,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from specmoe.config import (EXPERT_PARALLEL_DISPATCH, MOE_BACKEND_CHOICES, SPECULATIVE_POLICIES,
-                            parse_draft)
+from specmoe.config import (EXPERT_PARALLEL_DISPATCH, KV_CACHE_DTYPES, MOE_BACKEND_CHOICES,
+                            SPECULATIVE_POLICIES, parse_draft)
 from specmoe.loader.aliases import DEFAULT_MODEL
 
 
@@ -41,6 +41,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"],
                    help="weight-only quantisation of the target's dense projections; gguf: "
                    "a .gguf file's own blocks at their types (CPU)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="the target's KV cache: auto (the model's dtype), bfloat16, float32, "
+                        "or int8 (one scale per token and KV head; about half of bfloat16's "
+                        "bytes; not for MLA models)")
     p.add_argument("--moe-backend", default="auto", choices=list(MOE_BACKEND_CHOICES),
                    help="how a MoE model's routed experts run: fused (one native call per "
                         "layer, CPU bf16), grouped (a loop over active experts on the native "
@@ -187,7 +191,8 @@ def llm_from_args(args, speculative: dict | None):
     apply_threads(args)
     return LLM(args.model, speculative=speculative, dtype=args.dtype, device=args.device,
                max_model_len=args.max_model_len, quantization=args.quantization,
-               moe_backend=args.moe_backend, **expert_parallel_kwargs(args))
+               moe_backend=args.moe_backend, kv_cache_dtype=args.kv_cache_dtype,
+               **expert_parallel_kwargs(args))
 
 
 def fresh_out_dir(prefix: str) -> Path:

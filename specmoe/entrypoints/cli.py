@@ -125,7 +125,9 @@ def cmd_serve(args) -> None:
         llm = LLM(args.model, speculative=speculative_from_args(args), dtype=args.dtype,
                   device=args.device, max_model_len=args.max_model_len,
                   quantization=args.quantization, scheduler=scheduler,
-                  moe_backend=args.moe_backend, **expert_parallel_kwargs(args))
+                  moe_backend=args.moe_backend, kv_cache_dtype=args.kv_cache_dtype,
+                  **expert_parallel_kwargs(args))
+    logging.getLogger("specmoe.serve").info("%s", llm.kv_cache_summary())
     try:
         run_server(llm, args.model, cfg)
     finally:

@@ -144,7 +144,7 @@ def _load(console: Console, pair: DemoPair, args):
         t0 = time.perf_counter()
         llm = LLM(pair.model, speculative=pair.speculative, dtype=args.dtype,
                   device=args.device, max_model_len=args.max_model_len,
-                  quantization=args.quantization)
+                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     console.print(f"loaded {pair.label} in {time.perf_counter() - t0:.1f} s "
                   f"({llm.config.model.dtype})")
     return llm

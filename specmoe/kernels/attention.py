@@ -1,6 +1,6 @@
 """Paged attention on CPU in bfloat16 through `attention_bf16.c`, and in float32 through
 `attention_f32.c` (AVX2: every row's sums in one fixed order, so float32 speculation is
-lossless on CPUs without AVX-512 too).
+lossless on CPUs without AVX-512 too; over a float32 or an int8 KV cache).
 
 Decode, verification and prefill rows alike: the kernel reads each key/value row of a
 sequence once per block of query vectors, from the cache, through the block tables, with an
@@ -70,19 +70,21 @@ def try_attention_bf16(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tens
         unavailable, or a dtype, device or shape it does not take (head_dim not a multiple
         of 16 or above 256). Raises nothing.
     """
-    return _run(_lazy, torch.bfloat16, q, kv_cache, seqs, scale, sliding_window, out, ())
+    return _run(_lazy, torch.bfloat16, torch.bfloat16, q, kv_cache, seqs, scale,
+                sliding_window, out, ())
 
 
-def _run(lazy: LazyKernel, dtype: torch.dtype, q: torch.Tensor,
+def _run(lazy: LazyKernel, dtype: torch.dtype, cache_dtype: torch.dtype, q: torch.Tensor,
          kv_cache: tuple[torch.Tensor, torch.Tensor], seqs, scale: float,
          sliding_window: int | None, out: torch.Tensor, extra: tuple) -> bool:
-    """The checks and call both kernels share (`try_attention_bf16` gives the arguments;
-    `extra` goes before the thread count)."""
+    """The checks and call the kernels share (`try_attention_bf16` gives the arguments; q
+    and out in `dtype`, the caches in `cache_dtype`; `extra` goes before the thread
+    count)."""
     k_cache, v_cache = kv_cache
     if not gemv.is_enabled() or torch.is_grad_enabled() and q.requires_grad:
         return False
-    if not (q.is_cpu and k_cache.is_cpu and q.dtype is dtype and k_cache.dtype is dtype
-            and v_cache.dtype is dtype and out.dtype is dtype and out.is_contiguous()
+    if not (q.is_cpu and k_cache.is_cpu and q.dtype is dtype and k_cache.dtype is cache_dtype
+            and v_cache.dtype is cache_dtype and out.dtype is dtype and out.is_contiguous()
             and k_cache.is_contiguous() and v_cache.is_contiguous()):
         return False
     kernel = lazy.get()
@@ -107,11 +109,31 @@ def load_kernel_f32():
         KernelBuildError: no suitable CPU, no compiler, or the build failed.
         OSError: the built library cannot be loaded.
     """
-    fn = load("attention_f32.c", cpu_flags=("avx2", "fma")).specmoe_attention_f32
+    fn = _load_f32().specmoe_attention_f32
     fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7 + [ctypes.c_float,
                                                                   ctypes.c_int64, ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn
+
+
+def load_kernel_int8():
+    """`specmoe_attention_f32_i8(...) -> int` of `attention_f32.c`: the float32 kernel's
+    arguments over int8 caches, with the key and value scale pointers after the softmax
+    scale.
+
+    Raises:
+        KernelBuildError: no suitable CPU, no compiler, or the build failed.
+        OSError: the built library cannot be loaded.
+    """
+    fn = _load_f32().specmoe_attention_f32_i8
+    fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7 + [
+        ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _load_f32():
+    return load("attention_f32.c", cpu_flags=("avx2", "fma"))
 
 
 _lazy_f32 = LazyKernel(load_kernel_f32, "float32 CPU attention kernel unavailable, using "
@@ -128,5 +150,23 @@ def try_attention_f32(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tenso
     where it does not apply. Raises nothing."""
     if q.shape[2] % 8:
         return False
-    return _run(_lazy_f32, torch.float32, q, kv_cache, seqs, scale, sliding_window, out,
-                (max_rows,))
+    return _run(_lazy_f32, torch.float32, torch.float32, q, kv_cache, seqs, scale,
+                sliding_window, out, (max_rows,))
+
+
+_lazy_int8 = LazyKernel(load_kernel_int8, "int8 KV cache attention kernel unavailable, "
+                                          "using the torch path")
+
+
+def try_attention_int8(q: torch.Tensor, kv_cache, seqs, scale: float,
+                       sliding_window: int | None, out: torch.Tensor, max_rows: int) -> bool:
+    """`try_attention_f32` (float32 q and out) over an int8 cache: `kv_cache` has int8
+    `key`, `value` [num_slots, num_kv_heads, head_dim] and float32 `key_scale`,
+    `value_scale` [num_slots, num_kv_heads] (`specmoe.layers.int8_kv.Int8KV`). Returns
+    False (nothing written) where it does not apply. Raises nothing."""
+    scales = (kv_cache.key_scale, kv_cache.value_scale)
+    if q.shape[2] % 8 or not all(t.is_cpu and t.is_contiguous() and t.dtype is torch.float32
+                                 for t in scales):
+        return False
+    return _run(_lazy_int8, torch.float32, torch.int8, q, (kv_cache.key, kv_cache.value), seqs,
+                scale, sliding_window, out, (*(t.data_ptr() for t in scales), max_rows))

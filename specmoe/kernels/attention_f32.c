@@ -1,21 +1,24 @@
 /* Causal paged attention in float32 (decode, verification of K drafts and prefill chunks
- * alike) over a float32 KV cache read through block tables, for CPUs with AVX2 and FMA:
- * the float32 path's counterpart of attention_bf16.c, chosen for its fixed arithmetic.
+ * alike) over a float32 or int8 KV cache read through block tables, for CPUs with AVX2 and
+ * FMA: the float32 path's counterpart of attention_bf16.c, chosen for its fixed arithmetic.
  *
  * One work unit is (sequence, query row, query head); its query at position p attends the
  * keys at positions max(0, p - window + 1) .. p (window 0: from 0) of its KV head
  * (h / (num_heads / num_kv_heads)), and nothing else, in three passes:
- *   scores s_j = scale * (q . k_j): 8-lane products over head_dim, lanes summed in a fixed
- *   tree; m = max_j s_j; e_j = exp(s_j - m) (expf), Z = sum of e_j in key order;
- *   out = (sum_j e_j v_j, in key order, 8 lanes across head_dim) / Z.
+ *   scores s_j = scale * ((q . k_j) * ks_j): 8-lane products over head_dim, lanes summed in
+ *   a fixed tree; m = max_j s_j; e_j = exp(s_j - m) (expf), Z = sum of e_j in key order;
+ *   out = (sum_j (e_j * vs_j) v_j, in key order, 8 lanes across head_dim) / Z.
+ * ks_j, vs_j are the int8 cache's per-(token, KV head) scales (the stored row times its scale
+ * is the dequantised row), and exactly 1 for a float32 cache, whose results are therefore
+ * the same bits as without scales.
  * Every operation and its order depend only on the unit's own query and keys, never on the
  * other rows, sequences or threads of the call, nor on padding: a row's result has the same
  * bits whatever the batch (batch invariance, so greedy speculation equals plain decoding).
  *
- * The plain-torch reference is the torch path of specmoe/layers/paged_attention.py. Built
- * by specmoe/kernels/build.py (gcc -O3 -march=native -fopenmp). One unit per query row
- * re-reads its keys: for long prefills torch's fused SDPA is faster, so the caller passes
- * only few-query sequences (max_rows).
+ * The plain-torch reference is the torch path of specmoe/layers/paged_attention.py (int8:
+ * specmoe/layers/int8_kv.py). Built by specmoe/kernels/build.py (gcc -O3 -march=native
+ * -fopenmp). One unit per query row re-reads its keys: for long prefills torch's fused SDPA
+ * is faster, so the caller passes only few-query sequences (max_rows).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -25,28 +28,41 @@
 #include "avx2_sum.h"
 
 typedef struct {
-    const float *k_cache, *v_cache;
-    const int64_t *table;       /* this sequence's block table */
-    int64_t block_size, kv_stride, head_dim;
+    const void *k_cache, *v_cache;   /* float or int8 [num_slots, num_kv_heads, head_dim] */
+    const float *k_scale, *v_scale;  /* int8 only: [num_slots, num_kv_heads] */
+    const int64_t *table;            /* this sequence's block table */
+    int64_t block_size, num_kv_heads, head_dim;
 } Keys;
 
-static inline const float *row_at(const Keys *k, const float *cache, int64_t pos, int64_t kvh) {
+/* Index of (position pos, KV head kvh) in [num_slots, num_kv_heads]. */
+static inline int64_t slot_head(const Keys *k, int64_t pos, int64_t kvh) {
     const int64_t slot = k->table[pos / k->block_size] * k->block_size + pos % k->block_size;
-    return cache + slot * k->kv_stride + kvh * k->head_dim;
+    return slot * k->num_kv_heads + kvh;
+}
+
+/* 8 consecutive cache values from element `at` as float32 lanes. */
+static inline __m256 load8(const void *cache, int64_t at, int int8) {
+    if (int8)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+            _mm_loadl_epi64((const __m128i *)((const int8_t *)cache + at))));
+    return _mm256_loadu_ps((const float *)cache + at);
 }
 
 /* out [head_dim] = attention of query q over key positions [first, last] of KV head kvh.
- * `s` is scratch for last - first + 1 scores. */
-static void attend_one(const float *q, const Keys *k, int64_t kvh, int64_t first,
-                       int64_t last, float scale, float *s, float *out) {
+ * `s` is scratch for last - first + 1 scores. int8 is a constant at each call site, so the
+ * compiler emits one loop per cache type. */
+static inline __attribute__((always_inline)) void
+attend_one(const float *q, const Keys *k, int64_t kvh, int64_t first, int64_t last,
+           float scale, float *s, float *out, int int8) {
     const int64_t hd = k->head_dim, n = last - first + 1;
     float m = -INFINITY;
     for (int64_t j = 0; j < n; j++) {
-        const float *kr = row_at(k, k->k_cache, first + j, kvh);
+        const int64_t at = slot_head(k, first + j, kvh);
         __m256 acc = _mm256_setzero_ps();
         for (int64_t d = 0; d < hd; d += 8)
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kr + d), acc);
-        s[j] = scale * hsum_ps(acc);
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k->k_cache, at * hd + d, int8),
+                                  acc);
+        s[j] = scale * (hsum_ps(acc) * (int8 ? k->k_scale[at] : 1.0f));
         m = s[j] > m ? s[j] : m;
     }
     float z = 0.0f;
@@ -56,11 +72,77 @@ static void attend_one(const float *q, const Keys *k, int64_t kvh, int64_t first
     }
     for (int64_t d = 0; d < hd; d += 8) {
         __m256 acc = _mm256_setzero_ps();
-        for (int64_t j = 0; j < n; j++)
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(s[j]),
-                                  _mm256_loadu_ps(row_at(k, k->v_cache, first + j, kvh) + d), acc);
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t at = slot_head(k, first + j, kvh);
+            const float w = s[j] * (int8 ? k->v_scale[at] : 1.0f);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(w), load8(k->v_cache, at * hd + d, int8), acc);
+        }
         _mm256_storeu_ps(out + d, _mm256_div_ps(acc, _mm256_set1_ps(z)));
     }
+}
+
+static void attend_f32(const float *q, const Keys *k, int64_t kvh, int64_t first,
+                       int64_t last, float scale, float *s, float *out) {
+    attend_one(q, k, kvh, first, last, scale, s, out, 0);
+}
+
+static void attend_i8(const float *q, const Keys *k, int64_t kvh, int64_t first,
+                      int64_t last, float scale, float *s, float *out) {
+    attend_one(q, k, kvh, first, last, scale, s, out, 1);
+}
+
+typedef void (*AttendFn)(const float *, const Keys *, int64_t, int64_t, int64_t, float,
+                         float *, float *);
+
+/* The sequences of one call (see specmoe_attention_f32). */
+typedef struct {
+    const int64_t *row_start, *num_rows, *start_pos, *block_tables;
+    int64_t num_seqs, max_blocks, block_size, num_heads, num_kv_heads, head_dim, window;
+    float scale;
+    int64_t max_rows;
+} Batch;
+
+static int run(const Batch *b, const float *q, const void *k_cache, const void *v_cache,
+               const float *k_scale, const float *v_scale, float *out, AttendFn attend,
+               int num_threads) {
+    const int64_t hd = b->head_dim, heads = b->num_heads, max_rows = b->max_rows;
+    const int64_t *num_rows = b->num_rows;
+    if (hd % 8 || b->num_kv_heads < 1 || heads % b->num_kv_heads) return -1;
+    int64_t units = 0, longest = 0;
+    for (int64_t i = 0; i < b->num_seqs; i++) {
+        if (num_rows[i] < 1) return -1;
+        if (num_rows[i] <= max_rows) units += num_rows[i] * heads;
+        if (b->start_pos[i] + num_rows[i] > longest) longest = b->start_pos[i] + num_rows[i];
+    }
+    const int64_t group = heads / b->num_kv_heads;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads)
+    {
+        float *s = malloc(sizeof(float) * (size_t)(longest > 0 ? longest : 1));
+        if (s == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t u = 0; u < units; u++) {
+            if (s == NULL) continue;
+            int64_t i = 0, rest = u;   /* unit u: sequence i, row r, head h */
+            while (num_rows[i] > max_rows || rest >= num_rows[i] * heads) {
+                if (num_rows[i] <= max_rows) rest -= num_rows[i] * heads;
+                i++;
+            }
+            const int64_t r = rest / heads, h = rest % heads, row = b->row_start[i] + r;
+            const int64_t pos = b->start_pos[i] + r, w = b->window;
+            const int64_t first = w > 0 && pos - w + 1 > 0 ? pos - w + 1 : 0;
+            const Keys keys = {k_cache, v_cache, k_scale, v_scale,
+                               b->block_tables + i * b->max_blocks, b->block_size,
+                               b->num_kv_heads, hd};
+            attend(q + (row * heads + h) * hd, &keys, h / group, first, pos, b->scale, s,
+                   out + (row * heads + h) * hd);
+        }
+        free(s);
+    }
+    return failed ? -1 : 0;
 }
 
 /* q [num_tokens, num_heads, head_dim], caches [num_slots, num_kv_heads, head_dim], out
@@ -77,39 +159,22 @@ int specmoe_attention_f32(const float *q, const float *k_cache, const float *v_c
                           int64_t num_seqs, int64_t max_blocks, int64_t block_size,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                           int64_t window, float scale, int64_t max_rows, int num_threads) {
-    if (head_dim % 8 || num_kv_heads < 1 || num_heads % num_kv_heads) return -1;
-    int64_t units = 0, longest = 0;
-    for (int64_t i = 0; i < num_seqs; i++) {
-        if (num_rows[i] < 1) return -1;
-        if (num_rows[i] <= max_rows) units += num_rows[i] * num_heads;
-        if (start_pos[i] + num_rows[i] > longest) longest = start_pos[i] + num_rows[i];
-    }
-    const int64_t group = num_heads / num_kv_heads;
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads)
-    {
-        float *s = malloc(sizeof(float) * (size_t)(longest > 0 ? longest : 1));
-        if (s == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(dynamic, 4)
-        for (int64_t u = 0; u < units; u++) {
-            if (s == NULL) continue;
-            int64_t i = 0, rest = u;   /* unit u: sequence i, row r, head h */
-            while (num_rows[i] > max_rows || rest >= num_rows[i] * num_heads) {
-                if (num_rows[i] <= max_rows) rest -= num_rows[i] * num_heads;
-                i++;
-            }
-            const int64_t r = rest / num_heads, h = rest % num_heads, row = row_start[i] + r;
-            const int64_t pos = start_pos[i] + r;
-            const int64_t first = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
-            const Keys keys = {k_cache, v_cache, block_tables + i * max_blocks, block_size,
-                               num_kv_heads * head_dim, head_dim};
-            attend_one(q + (row * num_heads + h) * head_dim, &keys, h / group, first, pos,
-                       scale, s, out + (row * num_heads + h) * head_dim);
-        }
-        free(s);
-    }
-    return failed ? -1 : 0;
+    const Batch b = {row_start, num_rows, start_pos, block_tables, num_seqs, max_blocks,
+                     block_size, num_heads, num_kv_heads, head_dim, window, scale, max_rows};
+    return run(&b, q, k_cache, v_cache, NULL, NULL, out, attend_f32, num_threads);
+}
+
+/* specmoe_attention_f32 over an int8 cache: k_cache, v_cache int8 [num_slots, num_kv_heads,
+ * head_dim] with float32 scales k_scale, v_scale [num_slots, num_kv_heads] (a stored row
+ * times its scale is the dequantised row); q and out float32 as above. */
+int specmoe_attention_f32_i8(const float *q, const int8_t *k_cache, const int8_t *v_cache,
+                             float *out, const int64_t *row_start, const int64_t *num_rows,
+                             const int64_t *start_pos, const int64_t *block_tables,
+                             int64_t num_seqs, int64_t max_blocks, int64_t block_size,
+                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                             int64_t window, float scale, const float *k_scale,
+                             const float *v_scale, int64_t max_rows, int num_threads) {
+    const Batch b = {row_start, num_rows, start_pos, block_tables, num_seqs, max_blocks,
+                     block_size, num_heads, num_kv_heads, head_dim, window, scale, max_rows};
+    return run(&b, q, k_cache, v_cache, k_scale, v_scale, out, attend_i8, num_threads);
 }

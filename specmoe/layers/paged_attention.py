@@ -18,6 +18,9 @@ off) the plain-torch path splits the sequences, built the first time a layer nee
 - many query tokens (a prefill chunk): one fused SDPA call per sequence.
 The plain-torch path is the kernel's reference in the tests.
 
+A layer's cache is an object with `write` and `attend` (`FloatKV` here; the int8 cache is
+`specmoe.layers.int8_kv.Int8KV`); the torch path reads either through its `rows`.
+
 The same code serves one sequence alone, so batch size 1 is not a separate path. Source: the
 paged KV cache of Kwon et al., 2023, "Efficient Memory Management for Large Language Model
 Serving with PagedAttention", arXiv 2309.06180 (our own plain-torch implementation).
@@ -26,6 +29,7 @@ Serving with PagedAttention", arXiv 2309.06180 (our own plain-torch implementati
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -258,22 +262,60 @@ def _prefill_sequence(seq: SequenceSlice, token_start: int, table: torch.Tensor,
     return PrefillSequence(token_start, seq.num_tokens, kv_index.to(device), mask)
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                   meta: AttentionMetadata) -> None:
-    """Store the new keys/values k, v ([num_tokens, num_kv_heads, head_dim]) at their slots."""
-    k_cache, v_cache = kv_cache
-    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+class FloatKV(NamedTuple):
+    """One layer's KV cache in a float dtype: key, value [num_slots, num_kv_heads,
+    head_dim] (a tuple, so `k, v = cache` reads it as before)."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.key.shape[1]
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store k, v ([num_tokens, num_kv_heads, head_dim]) at slots [num_tokens]."""
+        self.key.index_copy_(0, slot_mapping, k.to(self.key.dtype))
+        self.value.index_copy_(0, slot_mapping, v.to(self.value.dtype))
+
+    def rows(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at `slots` ([N] int64): two [N, num_kv_heads, head_dim]."""
+        return self.key.index_select(0, slots), self.value.index_select(0, slots)
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """`paged_attention` over this cache."""
+        num_tokens, num_heads, head_dim = q.shape
+        out = q.new_empty(num_tokens, num_heads * head_dim)
+        if try_attention_bf16(q, self, meta.sequences, scale, meta.sliding_window, out):
+            return out
+        if not try_attention_f32(q, self, meta.sequences, scale, meta.sliding_window, out,
+                                 MAX_DECODE_QUERY):  # the few-query sequences; prefills below
+            attend_decodes(q, self, meta, scale, out)
+        attend_prefills(q, self, meta, scale, out)
+        return out
 
 
-def paged_attention(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def layer_cache(kv_cache) -> FloatKV:
+    """`kv_cache` as a layer cache object: a plain (key, value) tuple becomes a `FloatKV`;
+    a cache object (`FloatKV`, `Int8KV`) is returned as it is."""
+    return kv_cache if hasattr(kv_cache, "attend") else FloatKV(*kv_cache)
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache, meta: AttentionMetadata) -> None:
+    """Store the new keys/values k, v ([num_tokens, num_kv_heads, head_dim]) at their slots
+    of `kv_cache` (a (key, value) tuple or a layer cache object)."""
+    layer_cache(kv_cache).write(k, v, meta.slot_mapping)
+
+
+def paged_attention(q: torch.Tensor, kv_cache, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
     """Attention of every new token over its sequence's cached keys/values.
 
     Args:
         q: [num_tokens, num_heads, head_dim] queries (RoPE applied).
-        kv_cache: (key, value) caches [num_slots, num_kv_heads, head_dim], already holding the
-            new tokens (see `write_kv_cache`).
+        kv_cache: (key, value) caches [num_slots, num_kv_heads, head_dim], or a layer cache
+            object (`FloatKV`, `Int8KV`), already holding the new tokens (see
+            `write_kv_cache`).
         meta: this forward's metadata.
         scale: softmax scale, usually head_dim ** -0.5.
 
@@ -281,30 +323,25 @@ def paged_attention(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]
         [num_tokens, num_heads * head_dim], in q's dtype. Query head h reads key/value head
         h // (num_heads // num_kv_heads) (grouped-query attention).
     """
-    num_tokens, num_heads, head_dim = q.shape
-    out = q.new_empty(num_tokens, num_heads * head_dim)
-    if try_attention_bf16(q, kv_cache, meta.sequences, scale, meta.sliding_window, out):
-        return out
-    if try_attention_f32(q, kv_cache, meta.sequences, scale, meta.sliding_window, out,
-                         MAX_DECODE_QUERY):  # the few-query sequences; prefills below
-        _attend_prefills(q, kv_cache, meta, scale, out)
-        return out
+    return layer_cache(kv_cache).attend(q, meta, scale)
+
+
+def attend_decodes(q: torch.Tensor, kv, meta: AttentionMetadata, scale: float,
+                   out: torch.Tensor) -> None:
+    """The few-query sequences' rows of `out`, by the torch path's padded batches."""
     for group in meta.decodes:
-        out[group.token_index] = _attend_decode(q, kv_cache, group, scale)
-    _attend_prefills(q, kv_cache, meta, scale, out)
-    return out
+        out[group.token_index] = _attend_decode(q, kv, group, scale)
 
 
-def _attend_prefills(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                     meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+def attend_prefills(q: torch.Tensor, kv, meta: AttentionMetadata, scale: float,
+                    out: torch.Tensor) -> None:
     """The many-query sequences' rows of `out`, by fused SDPA per sequence."""
     for seq in meta.prefills:
         rows = slice(seq.token_start, seq.token_start + seq.num_tokens)
-        out[rows] = _attend_prefill(q[rows], kv_cache, seq, scale)
+        out[rows] = _attend_prefill(q[rows], kv, seq, scale)
 
 
-def _attend_decode(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                   group: DecodeGroup, scale: float) -> torch.Tensor:
+def _attend_decode(q: torch.Tensor, kv, group: DecodeGroup, scale: float) -> torch.Tensor:
     """[num_rows, q_size]: the padded batch's valid rows (order of group.token_index).
 
     Keys/values are gathered through the block tables once per key/value head and the
@@ -315,14 +352,14 @@ def _attend_decode(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
     form it is tested against.
     """
     _, num_heads, head_dim = q.shape
-    num_kv_heads = kv_cache[0].shape[1]
+    num_kv_heads = kv.num_kv_heads
     group_size = num_heads // num_kv_heads
     batch, t = group.kv_index.shape[0], group.max_query
     q_pad = _pad_queries(q, group).view(batch, t, num_kv_heads, group_size, head_dim)
     q_pad = q_pad.permute(0, 2, 3, 1, 4)
     q_rows = q_pad.reshape(batch, num_kv_heads, group_size * t, head_dim).float()
-    slots = group.kv_index.view(-1)  # [B * L]
-    k, v = (_gather_heads(cache, slots, batch) for cache in kv_cache)  # [B, kv, L, hd] fp32
+    k, v = (_heads_major(rows, batch)  # [B, kv, L, hd] fp32
+            for rows in kv.rows(group.kv_index.view(-1)))
     scores = torch.matmul(q_rows, k.transpose(-1, -2)).mul_(scale)  # [B, kv, g*t, L]
     scores = scores.view(batch, num_kv_heads, group_size, t, -1)
     scores.masked_fill_(~group.mask[:, None, None], float("-inf"))
@@ -340,39 +377,35 @@ def _pad_queries(q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
     return q_pad
 
 
-def _gather_heads(cache: torch.Tensor, slots: torch.Tensor, batch: int) -> torch.Tensor:
-    """cache [num_slots, kv_heads, hd] at slots [B * L] -> [B, kv_heads, L, hd] float32,
-    contiguous (the gather, the head-major layout and the cast in two copies)."""
-    rows = cache.index_select(0, slots)  # [B * L, kv_heads, hd]
-    return rows.view(batch, -1, *cache.shape[1:]).transpose(1, 2).to(
+def _heads_major(rows: torch.Tensor, batch: int) -> torch.Tensor:
+    """Gathered rows [B * L, kv_heads, hd] -> [B, kv_heads, L, hd] float32, contiguous (the
+    head-major layout and the cast in one copy)."""
+    return rows.view(batch, -1, *rows.shape[1:]).transpose(1, 2).to(
         torch.float32, memory_format=torch.contiguous_format)
 
 
-def attend_decode_reference(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                            group: DecodeGroup, scale: float) -> torch.Tensor:
+def attend_decode_reference(q: torch.Tensor, kv_cache, group: DecodeGroup,
+                            scale: float) -> torch.Tensor:
     """Plain SDPA reference of `_attend_decode` (same arguments and result)."""
-    k_cache, v_cache = kv_cache
+    kv = layer_cache(kv_cache)
     _, num_heads, head_dim = q.shape
     batch, t = group.kv_index.shape[0], group.max_query
     q_pad = _pad_queries(q, group)
-    slots = group.kv_index.view(-1)  # [B * L]
-    k = k_cache.index_select(0, slots).view(batch, -1, *k_cache.shape[1:])  # [B, L, kv, hd]
-    v = v_cache.index_select(0, slots).view(batch, -1, *v_cache.shape[1:])
+    k, v = (rows.to(q.dtype).view(batch, -1, *rows.shape[1:])  # [B, L, kv, hd]
+            for rows in kv.rows(group.kv_index.view(-1)))
     out = F.scaled_dot_product_attention(
         q_pad.view(batch, t, num_heads, head_dim).transpose(1, 2),  # [B, heads, t, hd]
         k.transpose(1, 2), v.transpose(1, 2),  # [B, kv_heads, L, hd]
         attn_mask=group.mask[:, None], scale=scale,
-        enable_gqa=num_heads != k_cache.shape[1])  # [B, heads, t, hd]
+        enable_gqa=num_heads != kv.num_kv_heads)  # [B, heads, t, hd]
     return out.transpose(1, 2).reshape(batch * t, num_heads * head_dim)[group.padded_index]
 
 
-def _attend_prefill(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                    seq: PrefillSequence, scale: float) -> torch.Tensor:
+def _attend_prefill(q: torch.Tensor, kv, seq: PrefillSequence, scale: float) -> torch.Tensor:
     """[num_tokens, q_size] by fused SDPA over the sequence's gathered keys/values."""
-    k_cache, v_cache = kv_cache
     num_tokens, num_heads, head_dim = q.shape
-    k = k_cache.index_select(0, seq.kv_index).transpose(0, 1)  # [kv_heads, L, hd]
-    v = v_cache.index_select(0, seq.kv_index).transpose(0, 1)
+    k, v = (rows.to(q.dtype).transpose(0, 1)  # [kv_heads, L, hd]
+            for rows in kv.rows(seq.kv_index))
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),  # [1, h, T|L, hd]
         attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale,

@@ -297,9 +297,11 @@ class FusedLayers:
         eps, scale = layer0.input_norm.eps, layer0.attn.scale
         shapes = _projection_shapes(cfg)
         out: list = [rotary.cos, rotary.sin]
-        for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
-            if not _plain_layer(layer, rotary, eps, scale) or _intercepted(_modules_of(layer)):
-                return None
+        for layer, cache in zip(model.layers, kv_caches):
+            if (len(cache) != 2 or cache[0].dtype is not BF16 or not _plain_layer(
+                    layer, rotary, eps, scale) or _intercepted(_modules_of(layer))):
+                return None  # an int8 or float32 cache, or a layer the driver cannot run
+            k_cache, v_cache = cache
             attn, mlp = layer.attn, layer.mlp
             out += [layer.input_norm.weight, layer.post_attn_norm.weight]
             out += ([attn.q_norm.weight, attn.k_norm.weight] if attn.qk_norm == "full"

@@ -123,12 +123,12 @@ class ExpertParallelRunner:
                     except RankFailure:
                         return
 
-    def new_paged_cache(self, num_blocks: int, block_size: int):
-        cache = self._runner.new_paged_cache(num_blocks, block_size)
+    def new_paged_cache(self, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto"):
+        cache = self._runner.new_paged_cache(num_blocks, block_size, kv_cache_dtype)
         with self._lock:
             cache_id = len(self._caches)
             self._caches[cache_id] = cache
-            self._send(("cache", cache_id, num_blocks, block_size))
+            self._send(("cache", cache_id, num_blocks, block_size, kv_cache_dtype))
         return cache
 
     def execute(self, cache, seqs):
@@ -193,8 +193,8 @@ def worker_loop(runner: ModelRunner) -> int:
         if message[0] == "ping":  # rank 0 is idle
             continue
         if message[0] == "cache":
-            _, cache_id, num_blocks, block_size = message
-            caches[cache_id] = runner.new_paged_cache(num_blocks, block_size)
+            _, cache_id, num_blocks, block_size, kv_cache_dtype = message
+            caches[cache_id] = runner.new_paged_cache(num_blocks, block_size, kv_cache_dtype)
         elif message[0] == "execute":
             _, cache_id, seqs = message
             runner.execute(caches[cache_id], seqs)

@@ -8,7 +8,7 @@ import torch
 
 from specmoe.layers.paged_attention import AttentionMetadata, SequenceSlice
 from specmoe.loader.model_loader import LoadedModel
-from specmoe.worker.kv_cache import PagedKVCache, SequenceKVCache
+from specmoe.worker.kv_cache import PagedKVCache, SequenceKVCache, resolve_kv_cache_dtype
 
 
 @dataclass(slots=True)
@@ -50,9 +50,20 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.arch.vocab_size
 
-    def new_paged_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
-        """A paged KV cache of `num_blocks` blocks of `block_size` positions."""
-        return PagedKVCache(self.arch, num_blocks, block_size, self.loaded.dtype, self.device)
+    def new_paged_cache(self, num_blocks: int, block_size: int,
+                        kv_cache_dtype: str = "auto") -> PagedKVCache:
+        """A paged KV cache of `num_blocks` blocks of `block_size` positions, of
+        `SchedulerConfig.kv_cache_dtype` `kv_cache_dtype`.
+
+        Raises:
+            ValueError: as `PagedKVCache` and `resolve_kv_cache_dtype`.
+        """
+        return PagedKVCache(self.arch, num_blocks, block_size, self.kv_dtype(kv_cache_dtype),
+                            self.device)
+
+    def kv_dtype(self, kv_cache_dtype: str) -> torch.dtype:
+        """The torch dtype of a `SchedulerConfig.kv_cache_dtype` name for this model."""
+        return resolve_kv_cache_dtype(kv_cache_dtype, self.loaded.dtype)
 
     def new_cache(self, capacity: int) -> SequenceKVCache:
         """A KV cache for one sequence of at most `capacity` tokens (<= max_model_len)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -68,7 +69,7 @@ class Server:
 def servers(smollm2):
     main = Server("--draft", "ngram", "-k", "4", "--api-key", KEY, "--max-num-seqs", "2",
                   "--max-waiting", "1")
-    drain = Server("--drain-timeout", "120")
+    drain = Server("--drain-timeout", "120", "--kv-cache-dtype", "int8", "--log-level", "info")
     try:
         main.wait_ready()
         drain.wait_ready()
@@ -380,6 +381,8 @@ def test_sigterm_finishes_in_flight_then_exits(servers):
     assert chunks[-2].choices[0].finish_reason == "length"
     assert chunks[-1].usage.completion_tokens == 64  # the whole request, not cut short
     assert srv.proc.wait(timeout=60) == 0
+    # this server runs on an int8 KV cache and said so at start
+    assert re.search(r"KV cache: int8 \(int8\), \d+ bytes per token", srv.proc.stdout.read())
 
 
 def test_drain_timeout_aborts_the_rest_cleanly(smollm2):
