@@ -11,6 +11,7 @@ import os
 # every test's requests; a test that wants another size passes its own. Subprocesses that
 # tests start inherit it.
 os.environ.setdefault("SPECMOE_KV_CACHE_SPACE", "0.25")
+os.environ.setdefault("SPECMOE_TOKENIZER_CACHE_DIR", "off")  # tests never write to ~/.cache
 
 import pytest
 from kernel_checks import require_kernel

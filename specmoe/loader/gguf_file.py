@@ -8,7 +8,8 @@ A `GGUFCheckpoint` gives what the HuggingFace-style loader consumes from a model
 
 Dequantisation is done by the `gguf` package (`gguf.quants.dequantize`), never by hand.
 
-Layout conventions (from the GGUF spec and `gguf.GGUFReader`):
+The file is read through `gguf_header.GGUFHeader` (metadata decoded on demand, tensor data
+as views of one read-only memory map). Layout conventions (from the GGUF spec):
 - GGUF lists dimensions fastest-varying first (ggml `ne[0]` is the row length), the reverse of
   numpy/PyTorch. A HF linear weight `[out, in]` is stored with GGUF shape `[in, out]`; the
   reader's `data` (and `dequantize`'s result) is already in numpy order `[out, in]`.
@@ -25,9 +26,12 @@ Layout conventions (from the GGUF spec and `gguf.GGUFReader`):
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import mmap
 import os
 import re
+import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +43,7 @@ import torch
 
 from specmoe.kernels.gguf_gemm import GGUFWeight
 from specmoe.loader.gguf_deepseek2 import deepseek2_config, merge_kv_b
+from specmoe.loader.gguf_header import GGUFHeader, TensorInfo
 from specmoe.loader.gguf_names import (
     FAMILIES,
     GLOBAL_NAMES,
@@ -389,13 +394,13 @@ class GGUFCheckpoint:
         return [(name, GGUFTensor(weight.expert(e), weight, e))
                 for e, name in enumerate(plan.hf_names)]
 
-    def _release(self, tensor: gguf.ReaderTensor) -> None:
+    def _release(self, tensor: TensorInfo) -> None:
         """Drop the file's pages under `tensor` from this process's resident memory once it
         is read (MADV_DONTNEED on the reader's read-only mapping: the page cache keeps them,
         and a later read maps them again), so reading a file larger than the memory left
         never holds it whole."""
-        mapping = getattr(self._reader.data, "_mmap", None)
-        if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+        mapping = self._reader.mapping
+        if not hasattr(mmap, "MADV_DONTNEED"):
             return
         start = tensor.data_offset - tensor.data_offset % mmap.PAGESIZE
         end = min(len(mapping), tensor.data_offset + tensor.n_bytes)
@@ -436,7 +441,7 @@ class GGUFTensor:
         return self.weight.dequantize().to(dtype)
 
 
-def _open_reader(path: Path) -> gguf.GGUFReader:
+def _open_reader(path: Path) -> GGUFHeader:
     if not path.exists():
         raise FileNotFoundError(f"GGUF file not found: {path}")
     if not path.is_file():
@@ -446,12 +451,12 @@ def _open_reader(path: Path) -> gguf.GGUFReader:
     if magic != _GGUF_MAGIC:
         raise ValueError(f"{path} is not a GGUF file (starts with {magic!r}, expected {_GGUF_MAGIC!r})")
     try:
-        return gguf.GGUFReader(path)
-    except (ValueError, IndexError, KeyError) as exc:
+        return GGUFHeader(path)
+    except ValueError as exc:
         raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
 
 
-def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
+def _dequantize(tensor: TensorInfo) -> np.ndarray:
     """Dequantise one GGUF tensor to a float32 array in numpy order (GGUF dims reversed)."""
     array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
@@ -486,10 +491,30 @@ def undo_llama_rope_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, half_head_dim, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def load_gguf_tokenizer(path: str | os.PathLike) -> Any:
-    """Build the HF tokenizer stored in a GGUF file, offline (local file only).
+TOKENIZER_CACHE_ENV = "SPECMOE_TOKENIZER_CACHE_DIR"
+DEFAULT_TOKENIZER_CACHE = "~/.cache/specmoe/tokenizers"
 
-    Calls `transformers.AutoTokenizer.from_pretrained(dirname, gguf_file=basename,
+
+def tokenizer_cache_dir() -> Path | None:
+    """`$SPECMOE_TOKENIZER_CACHE_DIR` (`off`: no cache), else ~/.cache/specmoe/tokenizers."""
+    value = os.environ.get(TOKENIZER_CACHE_ENV, "").strip()
+    if value.lower() == "off":
+        return None
+    return Path(value or DEFAULT_TOKENIZER_CACHE).expanduser()
+
+
+def load_gguf_tokenizer(path: str | os.PathLike) -> Any:
+    """Build the HF tokenizer stored in a GGUF file, offline (local file only), through an
+    on-disk cache.
+
+    Building it means transformers parsing the whole file's metadata (seconds for a
+    150k-token vocabulary), so the built tokenizer is saved (`save_pretrained`) under
+    `tokenizer_cache_dir()` in a folder keyed by the file's resolved path, size, mtime and a
+    hash of its first MiB; the next load of the same unchanged file reads that folder. A
+    changed file gets a new key; a cache folder that fails to load is rebuilt; deleting the
+    cache is always safe.
+
+    The build: `transformers.AutoTokenizer.from_pretrained(dirname, gguf_file=basename,
     local_files_only=True)`. AutoTokenizer first builds a model config from the GGUF and
     refuses architectures transformers cannot load from GGUF (e.g. `olmoe`); then the
     architecture-independent `PreTrainedTokenizerFast` builder is used on the same metadata.
@@ -502,16 +527,55 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> Any:
         ValueError: transformers cannot build a tokenizer from the file's metadata (the
             AutoTokenizer error, with the fallback's error chained).
     """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
+    root = tokenizer_cache_dir()
+    cached = None if root is None else root / _tokenizer_key(path)
+    if cached is not None and (cached / "tokenizer_config.json").is_file():
+        with contextlib.suppress(OSError, ValueError):
+            return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
+    tokenizer = _build_gguf_tokenizer(path)
+    if cached is not None:
+        _save_atomically(tokenizer, cached)
+    return tokenizer
+
+
+def _tokenizer_key(path: Path) -> str:
+    stat = path.stat()
+    digest = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(1 << 20))
+    return f"{path.stem[:64]}-{digest.hexdigest()[:24]}"
+
+
+def _save_atomically(tokenizer, folder: Path) -> None:
+    """Save into a temporary sibling, then rename: a reader never sees half a folder. A
+    cache that cannot be written (read-only home, full disk, another process first) is
+    only skipped."""
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".partial-"))
+    except OSError:
+        return
+    try:
+        tokenizer.save_pretrained(str(tmp))
+        os.rename(tmp, folder)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _build_gguf_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
     directory, name = str(path.parent), path.name
     try:
         return AutoTokenizer.from_pretrained(directory, gguf_file=name, local_files_only=True)
     except ValueError as auto_error:
         try:
-            return PreTrainedTokenizerFast.from_pretrained(directory, gguf_file=name, local_files_only=True)
+            return PreTrainedTokenizerFast.from_pretrained(directory, gguf_file=name,
+                                                           local_files_only=True)
         except (ValueError, KeyError) as fallback_error:
             raise auto_error from fallback_error

@@ -244,6 +244,30 @@ def test_tiny_tokenizer_loads(case, tmp_path):
     assert tokenizer.convert_ids_to_tokens(tokenizer("Hello")["input_ids"]) == ["He", "llo"]
 
 
+def test_tokenizer_cache_is_reused_rebuilt_for_a_changed_file_and_survives_damage(
+        tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("SPECMOE_TOKENIZER_CACHE_DIR", str(cache))
+    torch.manual_seed(0)
+    path = tmp_path / "t.gguf"
+    write_gguf_from_hf(transformers.AutoModelForCausalLM.from_config(_config("llama_tied")),
+                       path, "llama")
+    first = load_gguf_tokenizer(path)
+    (folder,) = cache.iterdir()
+    assert (folder / "tokenizer.json").is_file()
+    again = load_gguf_tokenizer(path)  # from the cache: same ids and chat template
+    text = "Hello there, 12 tokens!"
+    assert again(text)["input_ids"] == first(text)["input_ids"]
+    assert again.chat_template == first.chat_template
+    assert again.eos_token_id == first.eos_token_id
+    os.utime(path, ns=(1, 1))  # a changed file: a new folder, never the old tokenizer
+    load_gguf_tokenizer(path)
+    assert len(list(cache.iterdir())) == 2
+    for f in cache.iterdir():  # damaged entries are rebuilt
+        (f / "tokenizer.json").write_text("{")
+    assert load_gguf_tokenizer(path)(text)["input_ids"] == first(text)["input_ids"]
+
+
 # ---------------------------------------------------------------- real SmolLM2 GGUF (if installed)
 
 
