@@ -179,8 +179,8 @@ class GGUFCheckpoint:
     def _vocab_size(self) -> int:
         vocab_size = self._arch_key("vocab_size")
         if vocab_size is None:
-            tokens = self.metadata("tokenizer.ggml.tokens")
-            vocab_size = len(tokens) if tokens is not None else self._gguf_rows("token_embd.weight")
+            tokens = self._reader.get_field("tokenizer.ggml.tokens")  # its length, not decoded
+            vocab_size = tokens.count if tokens is not None else self._gguf_rows("token_embd.weight")
         return int(vocab_size)
 
     def _gguf_rows(self, name: str) -> int | None:
