@@ -16,6 +16,7 @@ from specmoe.entrypoints.args import (add_expert_parallel_mode_args, add_model_a
 from specmoe.entrypoints.routing_cli import (add_routing_parser, check_trace_path, cmd_routing,
                                              generate_with_trace)
 from specmoe.entrypoints.advise_cli import add_advise_parser
+from specmoe.entrypoints.peers_cli import add_peers_parser
 from specmoe.entrypoints.study_cli import add_study_parser
 from specmoe.entrypoints.models_cli import add_models_parser, cmd_models
 from specmoe.entrypoints.placement_cli import add_placement_parser, cmd_expert_placement
@@ -175,6 +176,7 @@ def add_bench_parser(sub) -> None:
     add_bench_throughput_parser(bench)
     add_bench_serve_parser(bench)
     add_bench_moe_parser(bench)
+    add_peers_parser(bench)
 
 
 def add_bench_throughput_parser(bench) -> None:
@@ -576,6 +578,9 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_bench_serve(args)
         elif args.command == "bench" and args.bench == "moe":
             return cmd_bench_moe(args)
+        elif args.command == "bench" and args.bench == "peers":
+            from specmoe.entrypoints.peers_cli import cmd_bench_peers
+            return cmd_bench_peers(args)
         elif args.command == "bench":
             cmd_bench_spec(args)
         elif args.command == "demo":

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 from layers.test_mla import _arch as mla_arch
-from layers.test_paged_attention import BLOCK_SIZE, SHAPES, _per_sequence, _setup
+from layers.test_paged_attention import (BLOCK_SIZE, INVARIANCE_SHAPES, SHAPES, _per_sequence,
+                                        _setup, assert_rows_alone_equal_together)
 import torch
 
 from specmoe.config import ArchConfig, SchedulerConfig
 from specmoe.layers.int8_kv import Int8KV, dequantize_rows, quantize_rows
-from specmoe.layers.paged_attention import (AttentionMetadata, SequenceSlice,
+from specmoe.layers.paged_attention import (AttentionMetadata,
                                             attend_decode_reference, paged_attention)
 from specmoe.worker.kv_cache import PagedKVCache, kv_bytes_per_token
 
@@ -83,19 +84,8 @@ def test_int8_kernel_rows_are_batch_invariant_bit_for_bit(window):
     """A few-query row has the bits it gets alone at its own position, whatever shares the
     forward: greedy speculation over an int8 cache equals plain decoding over it."""
     _require_int8_kernel()
-    shapes = [(0, 12), (117, 5), (140, 1), (3, 9), (60, 16), (0, 40)]
-    seqs, q, cache, _ = _int8_setup(12, 2, 64, shapes, seed=7, block_size=16)
-    scale = 64 ** -0.5
-    together = paged_attention(q, cache, AttentionMetadata.build(
-        seqs, 16, "cpu", sliding_window=window), scale)
-    row = 0
-    for s in seqs[:-1]:  # the last one, 40 rows, is a prefill for SDPA
-        for r in range(s.num_tokens):
-            alone = paged_attention(q[row:row + 1], cache, AttentionMetadata.build(
-                [SequenceSlice(s.start_pos + r, 1, s.block_ids)], 16, "cpu",
-                sliding_window=window), scale)
-            assert torch.equal(alone[0].view(torch.int32), together[row].view(torch.int32))
-            row += 1
+    seqs, q, cache, _ = _int8_setup(12, 2, 64, INVARIANCE_SHAPES, seed=7, block_size=16)
+    assert_rows_alone_equal_together(seqs, q, cache, window)
 
 
 def test_bfloat16_queries_over_int8_cache_are_computed_in_float32():

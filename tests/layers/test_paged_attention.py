@@ -202,16 +202,24 @@ def test_float32_kernel_rows_are_batch_invariant_bit_for_bit(window):
     the bits it gets alone at its own position, whatever shares the forward (a long
     prefill included): greedy speculation on a float32 target equals plain decoding."""
     _require_f32_kernel()
-    shapes = [(0, 12), (117, 5), (140, 1), (3, 9), (60, 16), (0, 40)]
-    seqs, q, cache, _ = _setup(12, 2, torch.float32, 7, 64, shapes, 16)
-    scale = 64 ** -0.5
+    seqs, q, cache, _ = _setup(12, 2, torch.float32, 7, 64, INVARIANCE_SHAPES, 16)
+    assert_rows_alone_equal_together(seqs, q, cache, window)
+
+
+INVARIANCE_SHAPES = [(0, 12), (117, 5), (140, 1), (3, 9), (60, 16), (0, 40)]
+
+
+def assert_rows_alone_equal_together(seqs, q, cache, window, block_size: int = 16):
+    """Every row of the few-query sequences (all but the last, a prefill for SDPA) has the
+    same float32 bits attended alone at its position as in the whole batch."""
+    scale = q.shape[2] ** -0.5
     together = paged_attention(q, cache, AttentionMetadata.build(
-        seqs, 16, "cpu", sliding_window=window), scale)
+        seqs, block_size, "cpu", sliding_window=window), scale)
     row = 0
-    for s in seqs[:-1]:  # the last one, 40 rows, is a prefill for SDPA
+    for s in seqs[:-1]:
         for r in range(s.num_tokens):
             alone = paged_attention(q[row:row + 1], cache, AttentionMetadata.build(
-                [SequenceSlice(s.start_pos + r, 1, s.block_ids)], 16, "cpu",
+                [SequenceSlice(s.start_pos + r, 1, s.block_ids)], block_size, "cpu",
                 sliding_window=window), scale)
             assert torch.equal(alone[0].view(torch.int32), together[row].view(torch.int32))
             row += 1
