@@ -151,7 +151,7 @@ class LLM:
         with KernelSwitches(self.config.kernels):
             self.proposer = None if speculative is None else build_proposer(
                 speculative, self.target, self.tokenizer, self.config.model, num_blocks,
-                sched.block_size, self._loaded_drafts)
+                sched.block_size, self._loaded_drafts, sched.kv_cache_dtype)
         adaptive = speculative is not None and speculative.policy == "adaptive"
         self.validator = dataclasses.replace(self.validator, max_speculative_tokens=(
             speculative.num_speculative_tokens if adaptive else None))

@@ -46,13 +46,16 @@ class DraftModelProposer:
         runner: the draft model.
         num_blocks: KV cache blocks of the draft's own cache.
         block_size: token positions per block.
+        kv_cache_dtype: the draft cache's `SchedulerConfig.kv_cache_dtype` (the target's, so
+            the same blocks take the same share of memory).
     """
 
     name = "draft"
 
-    def __init__(self, runner: ModelRunner, num_blocks: int, block_size: int) -> None:
+    def __init__(self, runner: ModelRunner, num_blocks: int, block_size: int,
+                 kv_cache_dtype: str = "auto") -> None:
         self.runner = runner
-        self.cache = runner.new_paged_cache(num_blocks, block_size)
+        self.cache = runner.new_paged_cache(num_blocks, block_size, kv_cache_dtype)
         self.kv_cache = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self._cached_tokens: dict[str, list[int]] = {}  # tokens whose KV is in the cache
 

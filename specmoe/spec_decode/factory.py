@@ -43,10 +43,11 @@ def build_policy(spec: SpeculativeConfig | None, target: ModelRunner,
 
 def build_proposer(spec: SpeculativeConfig, target: ModelRunner, target_tokenizer,
                    target_model_config: ModelConfig, num_kv_blocks: int, block_size: int,
-                   loaded_drafts: dict | None = None):
+                   loaded_drafts: dict | None = None, kv_cache_dtype: str = "auto"):
     """An NgramProposer, a SelfDraftProposer over the target, or a DraftModelProposer (draft
     loaded with the target's dtype and device); the latter two with a KV cache of their own of
-    `num_kv_blocks` blocks of `block_size` positions (a draft stops at its context limit).
+    `num_kv_blocks` blocks of `block_size` positions in `kv_cache_dtype` (the target's: a
+    draft stops at its context limit).
 
     `loaded_drafts` ({(draft_model, draft_quantization): ModelRunner}), when given, is
     consulted before loading and filled after: proposers of engines that never run at the
@@ -59,7 +60,8 @@ def build_proposer(spec: SpeculativeConfig, target: ModelRunner, target_tokenize
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     if spec.method == "self":
-        return SelfDraftProposer(target, num_kv_blocks, block_size, spec.self_draft_experts)
+        return SelfDraftProposer(target, num_kv_blocks, block_size, spec.self_draft_experts,
+                                 kv_cache_dtype)
     key = (spec.draft_model, spec.draft_quantization)
     runner = (loaded_drafts or {}).get(key)
     if runner is None:
@@ -71,7 +73,7 @@ def build_proposer(spec: SpeculativeConfig, target: ModelRunner, target_tokenize
         runner = ModelRunner(draft)
         if loaded_drafts is not None:
             loaded_drafts[key] = runner
-    return DraftModelProposer(runner, num_kv_blocks, block_size)
+    return DraftModelProposer(runner, num_kv_blocks, block_size, kv_cache_dtype)
 
 
 def check_vocab_match(target: ModelRunner, target_tokenizer, draft) -> None:

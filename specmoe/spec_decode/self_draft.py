@@ -45,7 +45,7 @@ class SelfDraftProposer(DraftModelProposer):
     name = "self"
 
     def __init__(self, target: ModelRunner, num_blocks: int, block_size: int,
-                 num_experts_per_tok: int) -> None:
+                 num_experts_per_tok: int, kv_cache_dtype: str = "auto") -> None:
         routers = [block.router for block in moe_blocks(target.model)]
         if not routers:
             raise ValueError("--draft self:experts=K needs a MoE target: this one has no "
@@ -54,7 +54,7 @@ class SelfDraftProposer(DraftModelProposer):
         if not 1 <= num_experts_per_tok < top_k:
             raise ValueError(f"invalid self-draft experts={num_experts_per_tok}: must be "
                              f"1 to {top_k - 1} (the target routes each token to {top_k})")
-        super().__init__(target, num_blocks, block_size)
+        super().__init__(target, num_blocks, block_size, kv_cache_dtype)
         self.routers, self.num_experts_per_tok = routers, num_experts_per_tok
         self._modules_path = KernelSwitches(KernelConfig(fused_layers=False))
 

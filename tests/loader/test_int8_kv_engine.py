@@ -52,6 +52,8 @@ def test_speculation_and_prefix_hits_equal_plain(llm, alone):
                  {"method": "draft", "draft_model": path, "num_speculative_tokens": 3,
                   "draft_quantization": "gguf"}):
         engine = llm.with_speculative(spec)
+        if spec["method"] == "draft":  # the draft's own cache follows the target's dtype
+            assert all(isinstance(c, Int8KV) for c in engine.proposer.cache.layers)
         engine.reset_prefix_cache()
         prefix = engine.engine.scheduler.kv_cache.block_pool.prefix_cache_stats
         for run in ("cold", "prefix hits"):
