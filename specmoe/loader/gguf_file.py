@@ -57,7 +57,6 @@ from specmoe.loader.gguf_names import (
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "olmoe", "deepseek2")
 
-_GGUF_MAGIC = b"GGUF"
 
 _BLOCK_TENSOR = re.compile(r"blk\.(?P<layer>\d+)\.(?P<base>\w+?)(?:\.(?P<expert>\d+))?\.(?P<kind>weight|bias)")
 
@@ -442,18 +441,12 @@ class GGUFTensor:
 
 
 def _open_reader(path: Path) -> GGUFHeader:
+    """The file's header; its errors name `path` (`GGUFHeader` checks the magic)."""
     if not path.exists():
         raise FileNotFoundError(f"GGUF file not found: {path}")
     if not path.is_file():
         raise ValueError(f"{path} is not a file; expected a .gguf file")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != _GGUF_MAGIC:
-        raise ValueError(f"{path} is not a GGUF file (starts with {magic!r}, expected {_GGUF_MAGIC!r})")
-    try:
-        return GGUFHeader(path)
-    except ValueError as exc:
-        raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
+    return GGUFHeader(path)
 
 
 def _dequantize(tensor: TensorInfo) -> np.ndarray:

@@ -18,6 +18,7 @@ the reversed GGUF dims; every other type is uint8 rows of its blocks, [..., row 
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import quant_shape_to_byte_shape
 
 MAGIC = b"GGUF"
+HEADER_BYTES = 24  # magic, version, tensor count, metadata count
 DEFAULT_ALIGNMENT = 32
 
 _T = GGUFValueType
@@ -96,6 +98,10 @@ class GGUFHeader:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         with open(self.path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < HEADER_BYTES:
+                raise ValueError(f"{self.path} is not a GGUF file ({size} bytes, shorter than "
+                                 f"the {HEADER_BYTES}-byte preamble)")
             self.mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self.buffer = memoryview(self.mapping)
         try:
@@ -135,7 +141,7 @@ class GGUFHeader:
         if version not in (2, 3):
             raise ValueError(f"{self.path}: GGUF version {version} is not supported (2 or 3; "
                              "a big-endian file reads as a huge version)")
-        at = 24
+        at = HEADER_BYTES
         self.fields: dict[str, Field] = {}
         for _ in range(num_fields):
             name, at = self.value_at(_T.STRING, at)
